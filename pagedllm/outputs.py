@@ -32,3 +32,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None  # set when this request failed inside the engine (the others go on)

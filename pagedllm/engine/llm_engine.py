@@ -1,0 +1,280 @@
+"""LLMEngine: add_request / step / abort over the scheduler, the KV cache manager and the model runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.args import EngineArgs, parse_bytes
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.model.config import check_token_ids
+from pagedllm.model.kv_cache import kv_cache_bytes_per_block
+from pagedllm.model.loader import load_model
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of the n outputs of a request: its scheduler-side Request plus text and logprobs."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.detokenizer.text, list(self.request.output_token_ids),
+                                self.cumulative_logprob, self.logprobs, self.finish_reason,
+                                self.stop_reason)
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # n > 1: the other samples fork from the first once the prompt is prefilled
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.finish_reason for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.output() for s in self.seqs], self.finished,
+                             self.seqs[0].request.num_cached_tokens, self.error)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        t0 = time.perf_counter()
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        loaded = load_model(args.model, dtype)
+        self.args = args
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        max_pos = self.model_config.max_position_embeddings
+        self.max_model_len = min(args.max_model_len or max_pos, max_pos)
+
+        per_block = kv_cache_bytes_per_block(self.model_config, args.block_size, _DTYPES[dtype])
+        num_blocks = args.num_kv_blocks or parse_bytes(args.kv_cache_memory) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={args.kv_cache_memory!r} is smaller than one KV block "
+                             f"({per_block} bytes)")
+        self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                                 kv_layout=args.kv_layout, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                                   self.max_model_len, args.enable_chunked_prefill), self.kv)
+        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
+                                  _DTYPES[dtype], args.attention_backend)
+        self.sampler = Sampler(args.seed)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence
+        self._state_of: dict[int, RequestState] = {}  # id(Request) -> RequestState
+        logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
+                    time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
+                    num_blocks * args.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- requests in ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+                ids = ids[1:]  # a chat template already put a BOS in the text
+            return ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        check_token_ids(ids, self.model_config.vocab_size)
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params.validate()
+        ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(ids))
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
+        req = Request(request_id, ids, max_tokens, cache_salt)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self._add_sequence(state, req, 0)
+        self.scheduler.add_request(req)
+        self.requests[request_id] = state
+
+    def _add_sequence(self, state: RequestState, req: Request, index: int) -> Sequence:
+        p = state.params
+        gen = None if p.seed is None else torch.Generator().manual_seed(p.seed + index)
+        seq = Sequence(req, index, IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop,
+                                                          p.skip_special_tokens),
+                       gen, [] if p.logprobs is not None else None)
+        state.seqs.append(seq)
+        self._seq_of[id(req)] = seq
+        self._state_of[id(req)] = state
+        return seq
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.finish_reason:
+                    seq.finish_reason = "abort"
+            self._release(state, RequestStatus.FINISHED_ABORTED)
+
+    def _release(self, state: RequestState, status: RequestStatus) -> None:
+        reqs = [s.request for s in state.seqs if not s.request.status.is_finished]
+        self.scheduler.finish_requests(reqs, status)
+        for s in state.seqs:
+            self._seq_of.pop(id(s.request), None)
+            self._state_of.pop(id(s.request), None)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        ready = self._run(out)
+        touched: dict[int, RequestState] = {}
+        rows: list[SamplingRow] = []
+        row_seqs: list[Sequence] = []
+        row_logit: list[int] = []
+        for i, req in ready:
+            state = self._state_of[id(req)]
+            touched[id(state)] = state
+            seqs = [self._seq_of[id(req)]]
+            if state.params.n > 1 and not state.forked:
+                seqs += self._fork_samples(state, req)
+            for seq in seqs:
+                rows.append(SamplingRow(state.params, state.prompt_token_ids, seq.request.output_token_ids,
+                                        seq.generator))
+                row_seqs.append(seq)
+                row_logit.append(i)
+        if rows:
+            sampled = self.sampler(self._logits[row_logit], rows)
+            for j, seq in enumerate(row_seqs):
+                state = self._state_of[id(seq.request)]
+                try:
+                    self._append_token(state, seq, sampled, j)
+                except Exception as e:  # one request's failure must not stop the others
+                    logger.exception("request %s failed", state.request_id)
+                    state.error = f"{type(e).__name__}: {e}"
+                    for s in state.seqs:
+                        s.finish_reason = s.finish_reason or "abort"
+        outputs = []
+        for state in touched.values():
+            if state.error or state.finished:
+                self.requests.pop(state.request_id, None)
+                self._release(state, RequestStatus.FINISHED_STOPPED)
+            outputs.append(state.output())
+        return outputs
+
+    def _run(self, out: SchedulerOutput) -> list[tuple[int, Request]]:
+        """Run the model on the scheduled batch; return (logits row, request) for requests ready to sample."""
+        scheduled = out.scheduled
+        block_tables = [self.kv.get_block_ids(s.request) for s in scheduled]
+        sample_rows = [i for i, s in enumerate(scheduled)
+                       if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
+        self._logits = self.runner.execute(scheduled, block_tables, out.block_copies, sample_rows)
+        self.scheduler.update_after_step(out)
+        return [(row, scheduled[i].request) for row, i in enumerate(sample_rows)]
+
+    def _fork_samples(self, state: RequestState, parent: Request) -> list[Sequence]:
+        """n > 1: the other samples share the prefilled prompt's blocks (copy-on-write later)."""
+        state.forked = True
+        children = []
+        for index in range(1, state.params.n):
+            child = Request(f"{state.request_id}#{index}", state.prompt_token_ids, state.max_tokens,
+                            parent.cache_salt, parent.arrival_time)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child, after=parent)
+            children.append(self._add_sequence(state, child, index))
+        return children
+
+    def _append_token(self, state: RequestState, seq: Sequence, sampled, j: int) -> None:
+        token = sampled.token_ids[j]
+        req = seq.request
+        req.append_output_token(token)
+        seq.cumulative_logprob += sampled.logprobs[j]
+        if seq.logprobs is not None:
+            entry = {token: Logprob(sampled.logprobs[j], sampled.ranks[j], self._decode_one(token))}
+            k = state.params.logprobs or 0
+            if k:
+                for rank, (tid, lp) in enumerate(zip(sampled.top_ids[j][:k], sampled.top_logprobs[j][:k],
+                                                     strict=True), start=1):
+                    entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+            seq.logprobs.append(entry)
+        p = state.params
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif (stop := seq.detokenizer.add_token(token)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason:
+            status = (RequestStatus.FINISHED_LENGTH if seq.finish_reason == "length"
+                      else RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_requests([req], status)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_cache_stats(self) -> dict:
+        stats = dict(self.kv.stats())
+        stats["num_preemptions"] = self.scheduler.num_preemptions
+        return stats
