@@ -15,7 +15,7 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.model.config import check_token_ids
-from pagedllm.model.kv_cache import kv_cache_bytes_per_block
+from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -80,11 +80,8 @@ class LLMEngine:
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
 
-        per_block = kv_cache_bytes_per_block(self.model_config, args.block_size, _DTYPES[dtype])
-        num_blocks = args.num_kv_blocks or parse_bytes(args.kv_cache_memory) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={args.kv_cache_memory!r} is smaller than one KV block "
-                             f"({per_block} bytes)")
+        num_blocks = args.num_kv_blocks or num_blocks_for_budget(
+            self.model_config, args.block_size, _DTYPES[dtype], parse_bytes(args.kv_cache_memory))
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_layout=args.kv_layout, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,

@@ -17,7 +17,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype)
+        self.kv_caches = allocate_kv_caches(config, block_size, dtype, num_blocks=num_blocks)
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
 

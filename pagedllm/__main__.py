@@ -1,0 +1,5 @@
+import sys
+
+from pagedllm.cli import main
+
+sys.exit(main())

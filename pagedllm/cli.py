@@ -1,0 +1,144 @@
+"""`pagedllm generate | chat | serve | bench <name>`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+
+from pagedllm.engine.args import EngineArgs
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about memory pages.",
+    "Explain in two sentences why a KV cache speeds up text generation.",
+    "List three prime numbers greater than 10.",
+]
+BENCHMARKS = ["blocks", "kernel", "throughput", "memory", "prefix", "beam", "serving"]
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def _sampling_params(a: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    return SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                          max_tokens=a.max_tokens, stop=a.stop, ignore_eos=a.ignore_eos,
+                          repetition_penalty=a.repetition_penalty, seed=a.sampling_seed)
+
+
+def _llm(a: argparse.Namespace):
+    from pagedllm.entrypoints.llm import LLM
+
+    args = EngineArgs.from_cli_args(a)
+    kwargs = {k: v for k, v in vars(args).items() if k != "model"}
+    return LLM(args.model, **kwargs)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    prompts = list(a.prompts)
+    if a.file:
+        with open(a.file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts = prompts or DEFAULT_PROMPTS
+    llm = _llm(a)
+    params = _sampling_params(a)
+    t0 = time.perf_counter()
+    if a.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    for p, out in zip(prompts, outs, strict=True):
+        print(f"\n### Prompt: {p!r}")
+        for c in out.outputs:
+            tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{tag}{c.text.strip()}\n    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    s = llm.kv_cache_stats()
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    util = s["used_slots"] / s["allocated_slots"] if s["allocated_slots"] else 0.0
+    print(f"\n--- {len(outs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f}s: "
+          f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s")
+    print(f"--- KV blocks: {s['num_blocks'] - s['num_free_blocks']} used / {s['num_free_blocks']} free of "
+          f"{s['num_blocks']} (block size {s['block_size']}, peak used {s['peak_used_blocks']}); slot "
+          f"utilisation {util:.1%}; prefix cache hits {s['prefix_cache_hits']}/{s['prefix_cache_queries']} "
+          f"tokens; preemptions {s['num_preemptions']}")
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from pagedllm.engine.chat_session import run_chat
+
+    return run_chat(_llm(a).engine, _sampling_params(a), system=a.system)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.server import serve_main
+
+    return serve_main(a) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions for prompts (arguments or --file)")
+    g.add_argument("prompts", nargs="*")
+    g.add_argument("--file", help="a text file with one prompt per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    EngineArgs.add_cli_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with streaming output")
+    c.add_argument("--system", default=None, help="a system prompt")
+    EngineArgs.add_cli_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat, max_tokens=512)
+
+    try:
+        from pagedllm.entrypoints.openai.server import add_serve_args
+    except ImportError:  # server extras missing: the other commands still work
+        add_serve_args = None
+    if add_serve_args is not None:
+        s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_serve_args(s)
+        s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    for name in BENCHMARKS:
+        try:
+            mod = importlib.import_module(f"pagedllm.benchmarks.{name}")
+        except ImportError:
+            continue
+        bp = bsub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
+        mod.add_args(bp)
+        bp.set_defaults(func=lambda a, m=mod: m.run(a) or 0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The offline API: LLM.generate / chat / beam_search, named as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.args import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | list[int]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                order[rid] = i
+        except Exception:
+            self.engine.abort_request(list(order))
+            raise
+        return self._run(order, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while any(r is None for r in results):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
+        from pagedllm.engine.beam_search import beam_search
+
+        return beam_search(self.engine, _as_prompt_list(prompts), params)
+
+    def kv_cache_stats(self) -> dict:
+        return self.engine.kv_cache_stats()
