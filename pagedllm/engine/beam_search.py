@@ -52,7 +52,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
     width, lp_pen = params.beam_width, params.length_penalty
     eos = set() if params.ignore_eos else engine.eos_token_ids
     ids = itertools.count()
-    sched, kv = engine.scheduler, engine.kv
+    sched = engine.scheduler
     groups: list[_Group] = []
     group_of: dict[int, _Group] = {}
     for prompt in prompts:
