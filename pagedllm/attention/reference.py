@@ -1,0 +1,98 @@
+"""Reference paged attention: pure torch, readable, the oracle every faster kernel is checked against.
+
+KV pool per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter all new K/V of the batch into the pool in one indexed copy per tensor."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one request, read through its block table: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write: copy block src -> dst for every pair, in every layer (one indexed copy per tensor)."""
+    if not pairs:
+        return
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    for k_cache, v_cache in kv_caches:
+        k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+        v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+class ReferenceBackend:
+    """Per-request SDPA over gathered context; all single-token (decode) requests share one padded call."""
+
+    name = "reference"
+    copy_blocks = staticmethod(copy_blocks)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        qlens = meta.query_lens_list
+        decode = [r for r, n in enumerate(qlens) if n == 1]
+        if len(decode) > 1:
+            self._decode_batch(q, k_cache, v_cache, meta, scale, decode, out)
+            done = set(decode)
+        else:
+            done = set()
+        starts = meta.query_start_loc.tolist()
+        for r, n in enumerate(qlens):
+            if n == 0 or r in done:
+                continue
+            s = starts[r]
+            out[s:s + n] = self._attend_one(q[s:s + n], k_cache, v_cache, meta.block_tables[r],
+                                            meta.seq_lens_list[r], scale)
+        return out
+
+    @staticmethod
+    def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int, scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        k = gather_context(k_cache, block_table, seq_len).to(q.dtype)
+        v = gather_context(v_cache, block_table, seq_len).to(q.dtype)
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if n == seq_len:  # nothing cached: plain causal
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # query i sits at position seq_len - n + i and sees every key up to it
+            qpos = torch.arange(seq_len - n, seq_len)[:, None]
+            mask = torch.arange(seq_len)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    @staticmethod
+    def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, reqs: list[int], out: torch.Tensor) -> None:
+        idx = torch.tensor(reqs, dtype=torch.long)
+        rows = meta.query_start_loc[idx].long()
+        seq_lens = meta.seq_lens[idx].long()
+        block_size = k_cache.shape[1]
+        max_len = int(seq_lens.max())
+        nb = -(-max_len // block_size)
+        tables = meta.block_tables[idx, :nb].long()  # padded entries point at block 0, masked below
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)  # [R, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
+        mask = (torch.arange(max_len)[None, :] < seq_lens[:, None])[:, None, None, :]
+        qh = q[rows][:, :, None, :]  # [R, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        out[rows] = o[:, :, 0, :]

