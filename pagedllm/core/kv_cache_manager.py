@@ -1,0 +1,353 @@
+"""Block tables per request on top of the BlockPool: prefix-cache lookup, allocation, fork with
+copy-on-write, free, and the two layouts (paged, and the contiguous baseline).
+
+Slot of token t of a request = table[t // B] * B + t % B (the worker vectorises this).
+
+Bookkeeping kept per request (keyed by request_id):
+- blocks: the block table (logical block i -> KVBlock);
+- num_full_blocks: leading blocks whose tokens were all known at an allocation ("full"); with prefix
+  caching on they have been hashed and offered to the cache (block_hashes holds their hashes);
+- num_tokens: token slots the table has been asked to cover so far.
+
+Blocks are registered in the cache at allocation time: the worker writes all new K/V of a step before any
+attention reads, so a block cached in this step is safe to hit in this same step. The caller must therefore
+run every allocation it keeps; `free()` drops the hashes of registered blocks beyond
+`request.num_computed_tokens` that nobody else holds (call it before resetting num_computed_tokens).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.kv_cache_utils import block_extra_keys, hash_block_tokens, hash_request_blocks
+from pagedllm.core.request import Request
+
+
+class KVCacheManagerError(Exception):
+    """Base of the manager's errors. Every one is raised before any change: the pool is unchanged."""
+
+
+class UnknownRequestError(KVCacheManagerError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DoubleFreeError(UnknownRequestError):
+    """free() of a request that was already freed."""
+
+
+class RequestExistsError(KVCacheManagerError, ValueError):
+    """fork() into a request id that already holds blocks."""
+
+
+class NegativeTokenCountError(KVCacheManagerError, ValueError):
+    pass
+
+
+class ContextTooLongError(KVCacheManagerError, ValueError):
+    """The contiguous layout cannot hold more than its max_model_len reservation."""
+
+
+class InvalidComputedBlocksError(KVCacheManagerError, ValueError):
+    """new_computed_blocks that do not match the request's prefix (stale lookup, wrong request...)."""
+
+
+class InconsistentRequestError(KVCacheManagerError, ValueError):
+    """request.num_computed_tokens does not fit the request's block table."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _RequestBlocks:
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the first num_full_blocks (caching on)
+    num_full_blocks: int = 0
+    num_tokens: int = 0
+    num_hit_blocks: int = 0  # leading blocks taken from the prefix cache (their K/V existed already)
+
+
+_FREED_MEMORY = 4096  # recently freed ids kept to tell "freed twice" from "never seen"
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 kv_layout: str = "paged", max_model_len: int | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {kv_layout!r}")
+        if kv_layout == "contiguous":
+            if max_model_len is None or max_model_len < 1:
+                raise ValueError("kv_layout='contiguous' needs max_model_len >= 1")
+            enable_prefix_caching = False  # the baseline reserves private contiguous regions
+        self.block_size = block_size
+        self.kv_layout = kv_layout
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._blocks_per_reservation = _cdiv(max_model_len, block_size) if kv_layout == "contiguous" else 0
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._freed: OrderedDict[str, None] = OrderedDict()
+        # The hashes computed by the last get_computed_blocks, reused by the allocate_slots that follows.
+        self._lookup_memo: tuple[Request, int, list[bytes]] | None = None
+        self._used_slots = 0
+        self.peak_used_blocks = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefix_cache_block_queries = 0
+        self.prefix_cache_block_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    # ---- lookup ------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks from the start of request.all_token_ids, never covering the
+        last token (the model must produce its logits). Changes no ref counts."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        B = self.block_size
+        tokens = request.all_token_ids
+        max_blocks = max(0, (len(tokens) - 1) // B)
+        pool = self.block_pool
+        hashes: list[bytes] = []
+        blocks: list[KVBlock] = []
+        parent: bytes | None = None
+        for i in range(max_blocks):  # hash only until the first miss
+            parent = hash_block_tokens(parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, request.cache_salt))
+            hashes.append(parent)
+            block = pool.get_cached_block(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        self._lookup_memo = (request, len(tokens), hashes)
+        return blocks, len(blocks) * B
+
+    # ---- allocation --------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       num_reserved_blocks: int = 0) -> list[tuple[int, int]] | None:
+        """Make the table cover num_computed_tokens + len(new_computed_blocks) * B + num_new_tokens tokens.
+        Returns the copy-on-write (src_block_id, dst_block_id) pairs the worker must copy before writing,
+        or None (and changes nothing) if that would leave fewer than num_reserved_blocks free blocks."""
+        if num_new_tokens < 0:
+            raise NegativeTokenCountError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_reserved_blocks < 0:
+            raise NegativeTokenCountError(f"num_reserved_blocks must be >= 0, got {num_reserved_blocks}")
+        B = self.block_size
+        pool = self.block_pool
+        rid = request.request_id
+        state = self._requests.get(rid)
+        cur_blocks = state.blocks if state is not None else []
+        num_computed = request.num_computed_tokens
+        if num_computed < 0 or num_computed > len(cur_blocks) * B:
+            raise InconsistentRequestError(
+                f"request {rid!r} has num_computed_tokens={num_computed} but its block table holds "
+                f"{len(cur_blocks) * B} token slots")
+        ncb = list(new_computed_blocks or ())
+        known_hashes = state.block_hashes if state is not None else self._memo_hashes(request)
+        if ncb:
+            known_hashes = self._check_computed_blocks(request, state, ncb, known_hashes)
+        total = num_computed + len(ncb) * B + num_new_tokens
+
+        # How many blocks this needs from the free queue (all checks before any change).
+        if self.kv_layout == "contiguous":
+            if total > self._blocks_per_reservation * B:
+                raise ContextTooLongError(
+                    f"request {rid!r} needs {total} token slots, more than max_model_len={self.max_model_len}")
+            num_new_blocks = self._blocks_per_reservation if state is None else 0
+        else:
+            num_new_blocks = max(0, _cdiv(total, B) - len(cur_blocks) - len(ncb))
+        num_full_before = state.num_full_blocks if state is not None else 0
+        cow_index: list[int] = []
+        if num_new_tokens > 0 and cur_blocks:
+            # Blocks the new tokens write into, shared and not yet full: copy first. Full blocks hold the
+            # same tokens for every holder, so they are never copied.
+            for i in range(max(num_computed // B, num_full_before), min(len(cur_blocks), _cdiv(total, B))):
+                if cur_blocks[i].ref_cnt > 1:
+                    cow_index.append(i)
+        num_revived = sum(1 for b in ncb if b.ref_cnt == 0)  # cached free blocks leave the free queue
+        needed = num_new_blocks + len(cow_index) + num_revived
+        if pool.num_free_blocks() - needed < num_reserved_blocks:
+            return None
+
+        # Commit.
+        first_allocation = state is None
+        if state is None:
+            state = self._requests[rid] = _RequestBlocks()
+            self._freed.pop(rid, None)
+        self._lookup_memo = None
+        if ncb:
+            pool.touch(ncb)  # before get_new_blocks, so that they cannot be evicted by it
+            state.blocks.extend(ncb)
+            state.block_hashes = list(known_hashes[:len(ncb)])
+            state.num_full_blocks = state.num_hit_blocks = len(ncb)
+        copies: list[tuple[int, int]] = []
+        if cow_index:
+            for i, dst in zip(cow_index, pool.get_new_blocks(len(cow_index)), strict=True):
+                src = state.blocks[i]
+                pool.free_blocks((src,))  # ref_cnt > 1: stays in use by the others
+                state.blocks[i] = dst
+                copies.append((src.block_id, dst.block_id))
+        if num_new_blocks:
+            state.blocks.extend(pool.get_new_blocks(num_new_blocks))
+        if total > state.num_tokens:
+            self._used_slots += total - state.num_tokens
+            state.num_tokens = total
+        self._register_full_blocks(request, state, total, known_hashes)
+        if first_allocation and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(ncb) * B
+            self.prefix_cache_block_queries += max(0, (request.num_tokens - 1) // B)
+            self.prefix_cache_block_hits += len(ncb)
+        self._update_peak()
+        return copies
+
+    def _memo_hashes(self, request: Request) -> list[bytes]:
+        memo = self._lookup_memo
+        if memo is not None and memo[0] is request and memo[1] == request.num_tokens:
+            return memo[2]
+        return []
+
+    def _check_computed_blocks(self, request: Request, state: _RequestBlocks | None, ncb: list[KVBlock],
+                               known_hashes: list[bytes]) -> list[bytes]:
+        rid = request.request_id
+        if not self.enable_prefix_caching:
+            raise InvalidComputedBlocksError("new_computed_blocks given but prefix caching is off")
+        if state is not None:
+            raise InvalidComputedBlocksError(
+                f"new_computed_blocks are only accepted at a request's first allocation ({rid!r} has blocks)")
+        B = self.block_size
+        if len(ncb) * B > request.num_tokens:
+            raise InvalidComputedBlocksError(
+                f"{len(ncb)} computed blocks cover more than the {request.num_tokens} tokens of {rid!r}")
+        hashes = hash_request_blocks(request.all_token_ids[:len(ncb) * B], B, request.cache_salt,
+                                     start_hashes=known_hashes[:len(ncb)])
+        pool_blocks = self.block_pool.blocks
+        for i, b in enumerate(ncb):
+            if not (0 <= b.block_id < len(pool_blocks) and pool_blocks[b.block_id] is b):
+                raise InvalidComputedBlocksError(f"{b!r} does not belong to this pool")
+            if b.block_hash != hashes[i]:
+                raise InvalidComputedBlocksError(
+                    f"computed block {i} of {rid!r} ({b!r}) no longer holds this prefix (evicted since lookup?)")
+        return hashes
+
+    def _register_full_blocks(self, request: Request, state: _RequestBlocks, total: int,
+                              known_hashes: list[bytes]) -> None:
+        """Blocks whose tokens are now all known become full; with caching they are hashed and cached."""
+        B = self.block_size
+        n_full = min(total, request.num_tokens) // B
+        if n_full <= state.num_full_blocks:
+            return
+        if self.enable_prefix_caching:
+            start = state.block_hashes
+            if len(known_hashes) > len(start) and known_hashes[:len(start)] == start:
+                start = known_hashes[:n_full]  # reuse what the lookup already hashed
+            hashes = hash_request_blocks(request.all_token_ids[:n_full * B], B, request.cache_salt,
+                                         start_hashes=start)
+            cache = self.block_pool.cache_full_block
+            blocks = state.blocks
+            for i in range(state.num_full_blocks, n_full):
+                cache(blocks[i], hashes[i])
+            state.block_hashes = hashes
+        state.num_full_blocks = n_full
+
+    # ---- sharing and release ----------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (ref counts up); writes into a shared partly
+        filled block are copied on write by the next allocate_slots."""
+        ps = self._requests.get(parent.request_id)
+        if ps is None:
+            raise self._unknown(parent.request_id, "fork from")
+        if child.request_id in self._requests:
+            raise RequestExistsError(f"cannot fork into {child.request_id!r}: it already holds blocks")
+        self.block_pool.touch(ps.blocks)  # all in use already: no free block is taken
+        self._requests[child.request_id] = _RequestBlocks(
+            list(ps.blocks), list(ps.block_hashes), ps.num_full_blocks, ps.num_tokens, ps.num_hit_blocks)
+        self._freed.pop(child.request_id, None)
+        self._used_slots += ps.num_tokens
+
+    def free(self, request: Request) -> None:
+        """Ref counts down, tail blocks first, so that the LRU queue evicts a request's tail first.
+        Cached blocks stay findable until reused."""
+        rid = request.request_id
+        state = self._requests.get(rid)
+        if state is None:
+            raise self._unknown(rid, "free")
+        self.block_pool.free_blocks(reversed(state.blocks))
+        del self._requests[rid]
+        self._used_slots -= state.num_tokens
+        self._freed[rid] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
+        # Full blocks past the computed prefix (and past the prefix-cache hits) were registered by an
+        # allocation of this request whose K/V may never have been written: if nobody else holds them,
+        # forget their hashes.
+        start = max(request.num_computed_tokens // self.block_size, state.num_hit_blocks)
+        for b in state.blocks[start:state.num_full_blocks]:
+            if b.ref_cnt == 0 and b.block_hash is not None:
+                self.block_pool.evict_cached_block(b)
+
+    def _unknown(self, rid: str, action: str) -> UnknownRequestError:
+        if rid in self._freed:
+            return DoubleFreeError(f"cannot {action} request {rid!r}: it was already freed")
+        return UnknownRequestError(f"cannot {action} request {rid!r}: it holds no blocks")
+
+    # ---- queries -----------------------------------------------------------------------------------
+    def has_request(self, request: Request) -> bool:
+        return request.request_id in self._requests
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            raise self._unknown(request.request_id, "get the blocks of")
+        return [b.block_id for b in state.blocks]
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks()
+
+    def num_used_blocks(self) -> int:
+        return self.block_pool.num_blocks - self.block_pool.num_free_blocks()
+
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref_cnt > 0); free cached blocks count as free."""
+        return self.num_used_blocks() / self.block_pool.num_blocks
+
+    def stats(self) -> dict:
+        """used_slots: sum over live requests of the token slots their tables were asked to cover
+        (num_computed_tokens + tokens allocated this step); a block shared by k requests counts k times,
+        so used_slots can exceed allocated_slots under sharing. allocated_slots: blocks in use x B.
+        Prefix stats count each admission (first allocation, again after a preemption): queries in
+        tokens = the request's tokens, hits = cached tokens; block queries = full blocks a lookup could
+        hit ((num_tokens - 1) // B), block hits = cached blocks."""
+        used_blocks = self.num_used_blocks()
+        return {
+            "num_blocks": self.block_pool.num_blocks,
+            "num_free_blocks": self.block_pool.num_free_blocks(),
+            "block_size": self.block_size,
+            "used_slots": self._used_slots,
+            "allocated_slots": used_blocks * self.block_size,
+            "peak_used_blocks": self.peak_used_blocks,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_block_queries": self.prefix_cache_block_queries,
+            "prefix_cache_block_hits": self.prefix_cache_block_hits,
+            "num_cached_blocks": len(self.block_pool.cached_block_hash_to_block),
+            "num_evictions": self.block_pool.num_evictions,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; only possible when no block is in use."""
+        self._lookup_memo = None
+        return self.block_pool.reset_prefix_cache()
+
+    def _update_peak(self) -> None:
+        used = self.num_used_blocks()
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
