@@ -1,0 +1,131 @@
+"""The "cpu" attention backend: a C++ paged-attention kernel (csrc/paged_attention.cpp) built on first use.
+
+The kernel reads K/V blocks in place through the block tables (no gathered copy), with an online softmax across
+chunks of keys, all query heads of a KV head together (GQA), fp32 or bf16 KV, parallel over (request, KV head,
+tile) with OpenMP and long contexts split across threads and merged.
+
+Build: torch.utils.cpp_extension.load with ninja, -O3 -fopenmp. When the CPU has AVX-512 (F/BW/DQ/VL) the
+AVX-512 variant is compiled with explicit -mavx512* flags (plus -mavx512bf16 where present); otherwise a portable
+variant with no ISA flags. Never -march=native, so a cached build is only reused on a CPU with the same flags: the
+cache directory (per user, $PAGEDLLM_CACHE_DIR or ~/.cache/pagedllm) is keyed by the source hash and the variant.
+If the build fails, get_backend("auto") logs a warning and falls back to the reference backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedllm.attention import register_backend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import copy_blocks, write_kv
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+_lock = threading.Lock()
+_ops = None
+_build_error: Exception | None = None
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_variant(flags: set[str] | None = None) -> tuple[str, list[str]]:
+    """(variant name, compiler ISA flags) for this CPU."""
+    flags = cpu_flags() if flags is None else flags
+    if all(f in flags for f in _AVX512_FLAGS) and "fma" in flags:
+        isa = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+        name = "avx512"
+        if "avx512_bf16" in flags:
+            isa.append("-mavx512bf16")
+            name += "bf16"
+        return name, isa
+    return "portable", []
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    return Path(root) / "cpu_kernel"
+
+
+def load_ops():
+    """Build (once per source hash and variant, cached on disk) and load the kernel; returns torch.ops namespace."""
+    global _ops, _build_error
+    with _lock:
+        if _ops is not None:
+            return _ops
+        if _build_error is not None:
+            raise RuntimeError(f"cpu attention kernel failed to build earlier: {_build_error}") from _build_error
+        try:
+            from torch.utils import cpp_extension
+
+            variant, isa = build_variant()
+            digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(isa).encode()).hexdigest()[:12]
+            name = f"pagedllm_cpu_{variant}_{digest}"
+            build_dir = cache_dir() / name
+            build_dir.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
+                extra_cflags=["-O3", "-fopenmp", "-std=c++17", *isa], extra_ldflags=["-fopenmp"], verbose=False)
+            _ops = torch.ops.pagedllm_cpu
+            logger.info("cpu attention kernel loaded (%s, %s)", variant, build_dir)
+            return _ops
+        except Exception as e:  # compiler missing, ninja missing, bad flags...
+            _build_error = e
+            raise
+
+
+def kernel_has_avx512() -> bool:
+    return bool(load_ops().capabilities() & 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, *, portable: bool = False, min_items: int = 0,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T,Hq,D] over the paged context described by meta (K/V already written). -> [T,Hq,D]."""
+    ops = load_ops()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    ops.paged_attention(out, q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.seq_lens),
+                        _int32(meta.query_start_loc), float(scale), 1 if portable else 0, int(min_items))
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+class CpuAttentionBackend:
+    """The C++ kernel behind the backend interface; constructing it builds (or loads) the kernel."""
+
+    name = "cpu"
+    copy_blocks = staticmethod(copy_blocks)
+
+    def __init__(self, portable: bool = False) -> None:
+        load_ops()
+        self.portable = portable
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable)
+
+
+register_backend("cpu", CpuAttentionBackend, priority=20)

@@ -1,0 +1,629 @@
+// Paged attention on the CPU: reads K/V blocks in place through block tables.
+//
+// One work item = (request, KV head, tile of new tokens, slice of the context). All query heads of the KV head's
+// group are handled together, so each K/V row is read once per tile for the whole group (GQA-aware). Softmax is
+// online over chunks of 16 keys; slices of a long context are merged at the end (flash-decoding style).
+//
+// Two inner loops, both fp32 accumulators (bf16 K/V are widened when loaded):
+//   * "dot" path (few query rows, e.g. decode): 16 dot products per row, reduced into one vector of 16 scores;
+//   * "lanes" path (>= 16 query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
+//     the row max / rescale of the online softmax are plain vertical vector ops.
+// Both need AVX-512 (compiled with -mavx512* when the CPU has it, see cpu_kernel.py); the portable path is plain
+// C++ and is used when the build lacks AVX-512, for head dims that are not a multiple of 16, or on request.
+//
+// Scores are computed in base 2: q is pre-multiplied by scale * log2(e) and exp2 replaces exp.
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define PA_AVX512 1
+#else
+#define PA_AVX512 0
+#endif
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kChunk = 16;     // keys per online-softmax step
+constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, quiet NaN kept
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Problem {
+  const void* q;
+  void* out;
+  const void* kc;
+  const void* vc;
+  const int32_t* bt;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  int64_t hq, hkv, group, d, bs, maxb;
+  int64_t q_tok_stride, q_head_stride;  // elements
+  int64_t kv_tok_stride;                // hkv * d
+  float qscale;                         // scale * log2(e)
+  bool q_bf16, kv_bf16;                 // out has q's dtype
+};
+
+struct Item {
+  int32_t r, h, t0, t1;  // request, KV head, new tokens [t0, t1) of the request
+  int32_t k0, k1;        // keys [k0, k1) of the context
+  int64_t part;          // offset of this slice's partial result in the partials buffer, -1 = write out directly
+};
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buf = std::unique_ptr<float[], FreeDeleter>;
+
+inline Buf alloc_floats(size_t n) {
+  size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+  return Buf(static_cast<float*>(std::aligned_alloc(64, bytes)));
+}
+
+// Per-thread scratch, sized for the largest tile.
+struct Scratch {
+  Buf qbuf, acc, accT, m, l, kbuf, vbuf;
+  std::vector<int32_t> pos;
+  explicit Scratch(int64_t d)
+      : qbuf(alloc_floats(kMaxRows * d)), acc(alloc_floats(kMaxRows * d)), accT(alloc_floats(kMaxRows * d)),
+        m(alloc_floats(kMaxRows)), l(alloc_floats(kMaxRows)), kbuf(alloc_floats(kChunk * d)),
+        vbuf(alloc_floats(kChunk * d)), pos(kMaxRows) {}
+};
+
+// Walks the context of one request one key at a time without a division per key.
+struct KeyCursor {
+  const int32_t* table;
+  int64_t bs, blk, off;
+  KeyCursor(const int32_t* t, int64_t block_size, int64_t key)
+      : table(t), bs(block_size), blk(key / block_size), off(key % block_size) {}
+  int64_t slot() const { return static_cast<int64_t>(table[blk]) * bs + off; }
+  void next() {
+    if (++off == bs) {
+      off = 0;
+      ++blk;
+    }
+  }
+};
+
+// Query rows of a tile: row i = token (t0 + i / group), head (h * group + i % group); scaled, fp32.
+void load_queries(const Problem& p, const Item& it, float* qbuf, int32_t* pos) {
+  const int64_t n = p.qsl[it.r + 1] - p.qsl[it.r];
+  const int64_t ctx_start = p.seq_lens[it.r] - n;
+  const int64_t rows = (it.t1 - it.t0) * p.group;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = it.t0 + i / p.group;
+    const int64_t head = it.h * p.group + i % p.group;
+    const int64_t off = (p.qsl[it.r] + t) * p.q_tok_stride + head * p.q_head_stride;
+    float* dst = qbuf + i * p.d;
+    if (p.q_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(p.q) + off;
+      for (int64_t e = 0; e < p.d; ++e) dst[e] = bf16_to_f32(src[e]) * p.qscale;
+    } else {
+      const float* src = static_cast<const float*>(p.q) + off;
+      for (int64_t e = 0; e < p.d; ++e) dst[e] = src[e] * p.qscale;
+    }
+    pos[i] = static_cast<int32_t>(ctx_start + t);
+  }
+}
+
+// Writes a finished tile: normalised rows into out, or the unnormalised (m, l, acc) of a context slice.
+void finish(const Problem& p, const Item& it, const float* acc, const float* m, const float* l, float* partials) {
+  const int64_t rows = (it.t1 - it.t0) * p.group;
+  if (it.part >= 0) {
+    float* dst = partials + it.part;
+    std::memcpy(dst, m, rows * sizeof(float));
+    std::memcpy(dst + rows, l, rows * sizeof(float));
+    std::memcpy(dst + 2 * rows, acc, rows * p.d * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = it.t0 + i / p.group;
+    const int64_t head = it.h * p.group + i % p.group;
+    const int64_t off = ((p.qsl[it.r] + t) * p.hq + head) * p.d;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float* a = acc + i * p.d;
+    if (p.q_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(p.out) + off;
+      for (int64_t e = 0; e < p.d; ++e) o[e] = f32_to_bf16(a[e] * inv);
+    } else {
+      float* o = static_cast<float*>(p.out) + off;
+      for (int64_t e = 0; e < p.d; ++e) o[e] = a[e] * inv;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable path: plain loops, one row at a time over chunks of keys.
+void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  const int64_t d = p.d;
+  const int64_t rows = (it.t1 - it.t0) * p.group;
+  float* q = s.qbuf.get();
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  load_queries(p, it, q, s.pos.data());
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
+  KeyCursor cur(table, p.bs, it.k0);
+  float* kb = s.kbuf.get();
+  float* vb = s.vbuf.get();
+  float sc[kChunk];
+  for (int64_t c = it.k0; c < it.k1; c += kChunk) {
+    const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    for (int64_t j = 0; j < nk; ++j, cur.next()) {
+      const int64_t off = cur.slot() * p.kv_tok_stride + it.h * d;
+      if (p.kv_bf16) {
+        const uint16_t* ks = static_cast<const uint16_t*>(p.kc) + off;
+        const uint16_t* vs = static_cast<const uint16_t*>(p.vc) + off;
+        for (int64_t e = 0; e < d; ++e) {
+          kb[j * d + e] = bf16_to_f32(ks[e]);
+          vb[j * d + e] = bf16_to_f32(vs[e]);
+        }
+      } else {
+        std::memcpy(kb + j * d, static_cast<const float*>(p.kc) + off, d * sizeof(float));
+        std::memcpy(vb + j * d, static_cast<const float*>(p.vc) + off, d * sizeof(float));
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t nv = std::min<int64_t>(nk, s.pos[i] - c + 1);  // causal: keys up to the row's position
+      if (nv <= 0) continue;
+      float mc = kNegInf;
+      for (int64_t j = 0; j < nv; ++j) {
+        float dot = 0.f;
+        const float* qi = q + i * d;
+        const float* kj = kb + j * d;
+        for (int64_t e = 0; e < d; ++e) dot += qi[e] * kj[e];
+        sc[j] = dot;
+        mc = std::max(mc, dot);
+      }
+      const float mn = std::max(m[i], mc);
+      const float alpha = std::exp2(m[i] - mn);
+      float* ai = acc + i * d;
+      float lsum = 0.f;
+      for (int64_t e = 0; e < d; ++e) ai[e] *= alpha;
+      for (int64_t j = 0; j < nv; ++j) {
+        const float pj = std::exp2(sc[j] - mn);
+        lsum += pj;
+        const float* vj = vb + j * d;
+        for (int64_t e = 0; e < d; ++e) ai[e] += pj * vj[e];
+      }
+      l[i] = l[i] * alpha + lsum;
+      m[i] = mn;
+    }
+  }
+  finish(p, it, acc, m, l, partials);
+}
+
+#if PA_AVX512
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 helpers.
+
+inline __m512 exp2_ps(__m512 x) {  // 2^x, rel. error ~1e-7; x <= -126 gives ~0 (callers mask exact zeros)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(126.f));
+  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, xi);  // [-0.5, 0.5]
+  __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, xi);
+}
+
+inline __m512 load_bf16(const uint16_t* src) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// out[j] = horizontal sum of v[j], j = 0..15.
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// Row pointers (fp32) of the next chunk of keys; bf16 rows are widened into kb/vb. Missing keys (past k1) point
+// at the first row so that fixed 16-wide loops stay in bounds (their scores are masked).
+template <int ND>
+inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, bool pack, float* kb, float* vb,
+                       const float** kr, const float** vr) {
+  constexpr int D = ND * 16;
+  for (int64_t j = 0; j < nk; ++j, cur.next()) {
+    const int64_t off = cur.slot() * p.kv_tok_stride + h * D;
+    if (p.kv_bf16) {
+      const uint16_t* ks = static_cast<const uint16_t*>(p.kc) + off;
+      const uint16_t* vs = static_cast<const uint16_t*>(p.vc) + off;
+      for (int c = 0; c < ND; ++c) {
+        _mm512_store_ps(kb + j * D + c * 16, load_bf16(ks + c * 16));
+        _mm512_store_ps(vb + j * D + c * 16, load_bf16(vs + c * 16));
+      }
+      kr[j] = kb + j * D;
+      vr[j] = vb + j * D;
+    } else {
+      const float* ks = static_cast<const float*>(p.kc) + off;
+      const float* vs = static_cast<const float*>(p.vc) + off;
+      if (pack) {  // contiguous copy: one base register for 16 broadcast rows
+        for (int c = 0; c < ND; ++c) _mm512_store_ps(kb + j * D + c * 16, _mm512_loadu_ps(ks + c * 16));
+        kr[j] = kb + j * D;
+      } else {
+        kr[j] = ks;
+      }
+      vr[j] = vs;
+    }
+  }
+  for (int64_t j = nk; j < kChunk; ++j) {
+    kr[j] = kr[0];
+    vr[j] = vr[0];
+  }
+}
+
+// Prefetch the rows of the next chunk (the block table scatters them; the hardware prefetcher cannot follow).
+template <int ND>
+inline void prefetch_chunk(const Problem& p, int64_t h, KeyCursor cur, int64_t nk) {
+  constexpr int D = ND * 16;
+  const int64_t esz = p.kv_bf16 ? 2 : 4;
+  const char* kbase = static_cast<const char*>(p.kc);
+  const char* vbase = static_cast<const char*>(p.vc);
+  for (int64_t j = 0; j < nk; ++j, cur.next()) {
+    const int64_t off = (cur.slot() * p.kv_tok_stride + h * D) * esz;
+    for (int64_t b = 0; b < D * esz; b += 64) {
+      _mm_prefetch(kbase + off + b, _MM_HINT_T0);
+      _mm_prefetch(vbase + off + b, _MM_HINT_T0);
+    }
+  }
+}
+
+// "dot" path: few rows (decode and short prefills). Per row: 16 dot products reduced to one vector of scores.
+template <int ND>
+void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  constexpr int D = ND * 16;
+  const int64_t rows = (it.t1 - it.t0) * p.group;
+  float* q = s.qbuf.get();
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  const int32_t* pos = s.pos.data();
+  load_queries(p, it, q, s.pos.data());
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+  const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
+  KeyCursor cur(table, p.bs, it.k0);
+  const float* kr[kChunk];
+  const float* vr[kChunk];
+  alignas(64) float pb[kChunk];
+  for (int64_t c = it.k0; c < it.k1; c += kChunk) {
+    const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    chunk_rows<ND>(p, it.h, cur, nk, false, s.kbuf.get(), s.vbuf.get(), kr, vr);
+    if (c + kChunk < it.k1) prefetch_chunk<ND>(p, it.h, cur, std::min<int64_t>(kChunk, it.k1 - c - kChunk));
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t nv = std::min<int64_t>(nk, pos[i] - c + 1);
+      if (nv <= 0) continue;
+      __m512 qv[ND];
+      for (int e = 0; e < ND; ++e) qv[e] = _mm512_loadu_ps(q + i * D + e * 16);
+      __m512 sacc[kChunk];
+      for (int j = 0; j < kChunk; ++j) {
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr[j]));
+        for (int e = 1; e < ND; ++e) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kr[j] + e * 16), a);
+        sacc[j] = a;
+      }
+      const __m512 sv = reduce16(sacc);
+      const __mmask16 km = static_cast<__mmask16>((1u << nv) - 1u);
+      const float mn = std::max(m[i], _mm512_mask_reduce_max_ps(km, sv));
+      const float alpha = std::exp2(m[i] - mn);
+      const __m512 pv = _mm512_maskz_mov_ps(km, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+      l[i] = l[i] * alpha + _mm512_reduce_add_ps(pv);
+      m[i] = mn;
+      _mm512_store_ps(pb, pv);
+      __m512 av[ND];
+      const __m512 al = _mm512_set1_ps(alpha);
+      for (int e = 0; e < ND; ++e) av[e] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + e * 16), al);
+      for (int64_t j = 0; j < nv; ++j) {
+        const __m512 pj = _mm512_set1_ps(pb[j]);
+        for (int e = 0; e < ND; ++e) av[e] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr[j] + e * 16), av[e]);
+      }
+      for (int e = 0; e < ND; ++e) _mm512_storeu_ps(acc + i * D + e * 16, av[e]);
+    }
+  }
+  finish(p, it, acc, m, l, partials);
+}
+
+// "lanes" path: >= 16 rows (prefill). Rows sit in vector lanes: Q and the accumulator are kept transposed
+// ([D][rows]), K/V elements are broadcast from a packed chunk.
+template <int ND>
+void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  constexpr int D = ND * 16;
+  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t nvec = (rows + 15) / 16;
+  const int64_t mp = nvec * 16;
+  float* q = s.qbuf.get();
+  float* qt = s.acc.get();  // transposed queries [D][mp]; acc is reused for the row-major result at the end
+  float* accT = s.accT.get();
+  int32_t* pos = s.pos.data();
+  load_queries(p, it, q, pos);
+  for (int64_t i = rows; i < mp; ++i) pos[i] = pos[rows - 1];  // padding rows: finite, never stored
+  for (int64_t e = 0; e < D; ++e)
+    for (int64_t i = 0; i < mp; ++i) qt[e * mp + i] = i < rows ? q[i * D + e] : 0.f;
+  std::fill(accT, accT + D * mp, 0.f);
+  __m512 mv[kMaxRows / 16], lv[kMaxRows / 16];
+  for (int v = 0; v < nvec; ++v) {
+    mv[v] = _mm512_set1_ps(kNegInf);
+    lv[v] = _mm512_setzero_ps();
+  }
+  const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
+  KeyCursor cur(table, p.bs, it.k0);
+  const float* kr[kChunk];
+  const float* vr[kChunk];
+  float* kb = s.kbuf.get();
+  for (int64_t c = it.k0; c < it.k1; c += kChunk) {
+    const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    chunk_rows<ND>(p, it.h, cur, nk, true, kb, s.vbuf.get(), kr, vr);
+    if (c + kChunk < it.k1) prefetch_chunk<ND>(p, it.h, cur, std::min<int64_t>(kChunk, it.k1 - c - kChunk));
+    for (int v = 0; v < nvec; ++v) {
+      if (pos[v * 16 + 15] < c) continue;  // positions grow with the row: every row of v is before this chunk
+      __m512 sacc[kChunk];
+      for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_setzero_ps();
+      for (int e = 0; e < D; ++e) {
+        const __m512 qd = _mm512_loadu_ps(qt + e * mp + v * 16);
+        for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[j * D + e]), sacc[j]);
+      }
+      const __m512i posv = _mm512_loadu_si512(pos + v * 16);
+      __mmask16 vm[kChunk];
+      __m512 mb = _mm512_set1_ps(kNegInf);
+      for (int j = 0; j < kChunk; ++j) {
+        vm[j] = j < nk ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32(static_cast<int32_t>(c + j)), _MM_CMPINT_NLT)
+                       : static_cast<__mmask16>(0);
+        mb = _mm512_mask_max_ps(mb, vm[j], mb, sacc[j]);
+      }
+      const __m512 mn = _mm512_max_ps(mv[v], mb);
+      // rows with no valid key yet keep m = -inf; use 0 there so that exp2 sees no inf - inf
+      const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                                           _mm512_setzero_ps());
+      const __m512 alpha = exp2_ps(_mm512_sub_ps(mv[v], mu));
+      __m512 lsum = _mm512_setzero_ps();
+      for (int j = 0; j < kChunk; ++j) {
+        sacc[j] = _mm512_maskz_mov_ps(vm[j], exp2_ps(_mm512_sub_ps(sacc[j], mu)));
+        lsum = _mm512_add_ps(lsum, sacc[j]);
+      }
+      lv[v] = _mm512_fmadd_ps(lv[v], alpha, lsum);
+      mv[v] = mn;
+      for (int e0 = 0; e0 < D; e0 += 8) {
+        __m512 a[8];
+        for (int e = 0; e < 8; ++e) a[e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (e0 + e) * mp + v * 16), alpha);
+        for (int j = 0; j < kChunk; ++j)
+          for (int e = 0; e < 8; ++e) a[e] = _mm512_fmadd_ps(sacc[j], _mm512_set1_ps(vr[j][e0 + e]), a[e]);
+        for (int e = 0; e < 8; ++e) _mm512_storeu_ps(accT + (e0 + e) * mp + v * 16, a[e]);
+      }
+    }
+  }
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  for (int v = 0; v < nvec; ++v) {
+    _mm512_storeu_ps(m + v * 16, mv[v]);
+    _mm512_storeu_ps(l + v * 16, lv[v]);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t e = 0; e < D; ++e) acc[i * D + e] = accT[e * mp + i];
+  finish(p, it, acc, m, l, partials);
+}
+
+template <int ND>
+void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  if ((it.t1 - it.t0) * p.group >= 16)
+    attend_lanes<ND>(p, it, s, partials);
+  else
+    attend_dot<ND>(p, it, s, partials);
+}
+#endif  // PA_AVX512
+
+using AttendFn = void (*)(const Problem&, const Item&, Scratch&, float*);
+
+AttendFn pick(int64_t d, int64_t impl) {
+#if PA_AVX512
+  if (impl != 1) {
+    if (d == 32) return attend_fast<2>;
+    if (d == 64) return attend_fast<4>;
+    if (d == 128) return attend_fast<8>;
+  }
+#endif
+  (void)d;
+  (void)impl;
+  return attend_portable;
+}
+
+// Merge the context slices of one tile: out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
+void merge(const Problem& p, const Item* slices, int64_t nslices, const float* partials) {
+  const Item& it = slices[0];
+  const int64_t rows = (it.t1 - it.t0) * p.group;
+  std::vector<float> acc(rows * p.d, 0.f), m(rows, kNegInf), l(rows, 0.f);
+  for (int64_t i = 0; i < rows; ++i) {
+    float mx = kNegInf;
+    for (int64_t k = 0; k < nslices; ++k) mx = std::max(mx, partials[slices[k].part + i]);
+    if (mx == kNegInf) continue;
+    for (int64_t k = 0; k < nslices; ++k) {
+      const float* part = partials + slices[k].part;
+      const float w = std::exp2(part[i] - mx);
+      if (w == 0.f) continue;
+      l[i] += w * part[rows + i];
+      const float* a = part + 2 * rows + i * p.d;
+      for (int64_t e = 0; e < p.d; ++e) acc[i * p.d + e] += w * a[e];
+    }
+    m[i] = mx;
+  }
+  Item direct = it;
+  direct.part = -1;
+  finish(p, direct, acc.data(), m.data(), l.data(), nullptr);
+}
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::ScalarType::BFloat16; }
+bool is_f32(const at::Tensor& t) { return t.scalar_type() == at::ScalarType::Float; }
+
+// out [T, Hq, D] (contiguous, q's dtype) <- attention of q [T, Hq, D] over the paged context.
+// impl: 0 = best available, 1 = portable. min_items: split long contexts until there are this many work items
+// (0 = 4 x threads).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl,
+                     int64_t min_items) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(is_f32(q) || is_bf16(q), "q must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "out must be a contiguous tensor like q");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (is_f32(k_cache) || is_bf16(k_cache)),
+              "k/v cache must both be float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k/v cache must be contiguous and of the same shape");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::ScalarType::Int && t->is_contiguous(), "metadata must be contiguous int32");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == num_reqs,
+              "metadata sizes disagree");
+  Problem p;
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.kc = k_cache.data_ptr();
+  p.vc = v_cache.data_ptr();
+  p.bt = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.qsl = query_start_loc.data_ptr<int32_t>();
+  p.hq = q.size(1);
+  p.hkv = k_cache.size(2);
+  p.d = q.size(2);
+  p.bs = k_cache.size(1);
+  p.maxb = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == p.d && p.hq % p.hkv == 0, "head dims / head counts disagree");
+  p.group = p.hq / p.hkv;
+  TORCH_CHECK(p.group <= kMaxRows, "query heads per KV head must be <= 64");
+  p.q_tok_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.kv_tok_stride = p.hkv * p.d;
+  p.qscale = static_cast<float>(scale) * kLog2e;
+  p.q_bf16 = is_bf16(q);
+  p.kv_bf16 = is_bf16(k_cache);
+  const int64_t num_slots = k_cache.size(0) * p.bs;
+
+  // Tiles: up to kMaxRows rows (tokens x group heads) each.
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows / p.group);
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int32_t n = p.qsl[r + 1] - p.qsl[r];
+    const int32_t len = p.seq_lens[r];
+    TORCH_CHECK(n >= 0 && n <= len, "request ", r, ": query_len must be in [0, seq_len]");
+    TORCH_CHECK((len + p.bs - 1) / p.bs <= p.maxb, "request ", r, ": block table too short");
+    for (int64_t b = 0; b < (len + p.bs - 1) / p.bs; ++b) {
+      const int64_t blk = p.bt[r * p.maxb + b];
+      TORCH_CHECK(blk >= 0 && blk * p.bs < num_slots, "request ", r, ": block id out of range");
+    }
+    for (int32_t t0 = 0; t0 < n; t0 += static_cast<int32_t>(tile_tokens)) {
+      const int32_t t1 = std::min<int32_t>(n, t0 + static_cast<int32_t>(tile_tokens));
+      for (int32_t h = 0; h < p.hkv; ++h)
+        items.push_back({static_cast<int32_t>(r), h, t0, t1, 0, len - n + t1, -1});
+    }
+  }
+  if (items.empty()) return;
+
+  // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
+  const int64_t threads = std::max(1, omp_get_max_threads());
+  const int64_t want = min_items > 0 ? min_items : 4 * threads;
+  int64_t partial_floats = 0;
+  std::vector<Item> work;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in work of items that need a merge
+  const int64_t base = static_cast<int64_t>(items.size());
+  for (const Item& it : items) {
+    const int64_t keys = it.k1 - it.k0;
+    int64_t ns = 1;
+    if (base < want && keys >= 512) ns = std::min<int64_t>((want + base - 1) / base, keys / 256);
+    if (ns <= 1) {
+      work.push_back(it);
+      continue;
+    }
+    const int64_t span = ((keys + ns - 1) / ns + kChunk - 1) / kChunk * kChunk;
+    const int64_t begin = static_cast<int64_t>(work.size());
+    const int64_t rows = (it.t1 - it.t0) * p.group;
+    for (int64_t k0 = it.k0; k0 < it.k1; k0 += span) {
+      Item sl = it;
+      sl.k0 = static_cast<int32_t>(k0);
+      sl.k1 = static_cast<int32_t>(std::min<int64_t>(it.k1, k0 + span));
+      sl.part = partial_floats;
+      partial_floats += rows * (p.d + 2);
+      work.push_back(sl);
+    }
+    groups.emplace_back(begin, static_cast<int64_t>(work.size()));
+  }
+  // Largest items first so that dynamic scheduling balances causal tiles of very different cost.
+  std::vector<int64_t> order(work.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const Item &x = work[a], &y = work[b];
+    return static_cast<int64_t>(x.k1 - x.k0) * (x.t1 - x.t0) > static_cast<int64_t>(y.k1 - y.k0) * (y.t1 - y.t0);
+  });
+  std::vector<float> partials(partial_floats);
+  const AttendFn fn = pick(p.d, impl);
+  const int64_t nwork = static_cast<int64_t>(work.size());
+  const int nthr = static_cast<int>(std::min<int64_t>(threads, nwork));
+#pragma omp parallel num_threads(nthr)
+  {
+    Scratch scratch(p.d);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < nwork; ++w) fn(p, work[order[w]], scratch, partials.data());
+  }
+  if (!groups.empty()) {
+    const int64_t ng = static_cast<int64_t>(groups.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(std::min<int64_t>(threads, ng)))
+    for (int64_t g = 0; g < ng; ++g)
+      merge(p, work.data() + groups[g].first, groups[g].second - groups[g].first, partials.data());
+  }
+}
+
+// Bit 0: AVX-512 paths compiled in.
+int64_t capabilities() { return PA_AVX512 ? 1 : 0; }
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("capabilities", &capabilities);
+}

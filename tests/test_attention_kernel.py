@@ -1,0 +1,132 @@
+"""The C++ paged-attention kernel (backend "cpu") against the reference backend on fresh random inputs."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from pagedllm.attention import build_attention_metadata, get_backend
+from pagedllm.attention.reference import ReferenceBackend
+
+cpu_kernel = pytest.importorskip("pagedllm.attention.cpu_kernel")
+
+try:
+    cpu_kernel.load_ops()
+except Exception as e:  # pragma: no cover - a machine without a compiler
+    pytest.skip(f"cpu kernel does not build here: {e}", allow_module_level=True)
+
+
+def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int], block_size: int, hq: int,
+               hkv: int, d: int, dtype: torch.dtype, kv_dtype: torch.dtype, spare_blocks: int = 7):
+    """Random pool with scattered block tables: every request's blocks are a random subset of the pool."""
+    need = [-(-(c + n) // block_size) for c, n in zip(num_computed, num_new, strict=True)]
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for nb in need:
+        tables.append(perm[at:at + nb])
+        at += nb
+    meta = build_attention_metadata(tables, num_computed, num_new, block_size)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(kv_dtype)
+    t = sum(num_new)
+    q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def run_both(backend, q, k, v, k_cache, v_cache, meta, scale):
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    # the oracle in float64 on the same (possibly bf16-rounded) values
+    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), kc_ref.double(), vc_ref.double(),
+                                     meta, scale)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    # the kernel wrote exactly the same K/V as the reference
+    ReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    return out, ref
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1.5e-2, "rtol": 1e-2}
+
+
+# (num_computed, num_new): decode, prefill, prefix-cached chunks, contexts ending mid-block, empty rows
+MIXED = ([0, 37, 100, 5, 64, 0, 250, 17], [9, 1, 1, 20, 33, 1, 70, 0])
+
+CASES = [
+    # block_size, hq, hkv, d, num_computed, num_new
+    (16, 9, 3, 64, *MIXED),
+    (8, 8, 2, 64, *MIXED),
+    (32, 4, 4, 64, *MIXED),
+    (16, 16, 1, 64, [0, 300, 1], [45, 1, 1]),
+    (32, 12, 3, 128, [0, 63, 31], [100, 1, 2]),
+    (16, 6, 2, 32, [3, 0, 700], [1, 130, 1]),
+    (8, 6, 3, 40, [0, 21], [19, 4]),  # head_dim 40: portable code path
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference(case, kv_dtype, portable):
+    block_size, hq, hkv, d, computed, new = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, kv_dtype, portable)).encode()))
+    dtype = kv_dtype  # the model runs in the KV dtype
+    batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
+    backend = cpu_kernel.CpuAttentionBackend(portable=portable)
+    out, ref = run_both(backend, *batch, scale=d ** -0.5)
+    assert out.dtype == dtype and out.shape == batch[0].shape
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("min_items", [1, 64])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_long_context_split_matches(min_items, kv_dtype):
+    """min_items=64 forces the context split + merge path; 1 disables it."""
+    gen = torch.Generator().manual_seed(1234 + min_items)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, [2000, 1500, 700], [1, 3, 40], 16, 9, 3, 64,
+                                                 kv_dtype, kv_dtype)
+    scale = 0.125
+    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
+                                     meta, scale)
+    from pagedllm.attention.reference import write_kv
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = cpu_kernel.paged_attention(q, k_cache, v_cache, meta, scale, min_items=min_items)
+    torch.testing.assert_close(out.double(), ref, **tol(kv_dtype))
+
+
+def test_strided_q_and_large_scores():
+    """q as a view of a fused QKV projection (token stride > Hq*D) and scores large enough to overflow exp."""
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d = 9, 3, 64
+    _, k, v, k_cache, v_cache, meta = make_batch(gen, [10, 0, 40], [1, 24, 9], 16, hq, hkv, d,
+                                                 torch.float32, torch.float32)
+    qkv = torch.randn(k.shape[0], (hq + 2 * hkv) * d, generator=gen) * 30
+    q = qkv[:, :hq * d].view(-1, hq, d)
+    assert not q.is_contiguous()
+    out, ref = run_both(cpu_kernel.CpuAttentionBackend(), q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_registry_auto_prefers_cpu():
+    assert get_backend("auto").name == "cpu"
+    assert get_backend("cpu").name == "cpu"
+
+
+def test_bad_block_table_rejected():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, [5], [1], 8, 2, 1, 64, torch.float32, torch.float32)
+    meta.block_tables[0, 0] = k_cache.shape[0]  # out of range
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernel.paged_attention(q, k_cache, v_cache, meta, 0.1)
+
+
+def test_build_variant_flags():
+    name, isa = cpu_kernel.build_variant({"sse2", "avx2", "fma"})
+    assert name == "portable" and isa == []
+    name, isa = cpu_kernel.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
+    assert name == "avx512" and "-mavx512f" in isa and "-march=native" not in isa
