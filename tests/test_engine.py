@@ -1,0 +1,256 @@
+"""The engine end to end on tiny random models: exact against transformers, robust to preemption, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("attention_backend", "reference")
+    kw.setdefault("block_size", 8)
+    kw.setdefault("num_kv_blocks", 256)
+    return LLM(str(path), **kw)
+
+
+def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    """After all requests finish every block is free (cached blocks are free-and-evictable)."""
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_matches_transformers_mixed_batch(tiny_dir, hf_model):
+    prompts = random_prompts(6, seed=1)
+    llm = make_llm(tiny_dir)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+        assert out.prompt_token_ids == prompt
+    assert_no_leaks(llm)
+
+
+def test_text_prompt_and_detokenisation(tiny_dir):
+    llm = make_llm(tiny_dir)
+    out = llm.generate("Héllo wörld 🙂, paged attention", SamplingParams(temperature=0, max_tokens=16,
+                                                                           ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert out.prompt_token_ids == tok.encode("Héllo wörld 🙂, paged attention")
+
+
+def test_preemption_gives_identical_outputs(tiny_dir):
+    prompts = random_prompts(8, seed=2, lo=20, hi=40)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = tokens(make_llm(tiny_dir).generate(prompts, params, use_tqdm=False))
+    small = make_llm(tiny_dir, num_kv_blocks=24, max_num_batched_tokens=64)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == reference
+    assert small.kv_cache_stats()["num_preemptions"] > 0
+    assert_no_leaks(small)
+
+
+@pytest.mark.parametrize("chunked,prefix", [(False, True), (True, False), (False, False)])
+def test_chunked_prefill_and_prefix_caching_do_not_change_outputs(tiny_dir, chunked, prefix):
+    shared = random_prompts(1, seed=5, lo=40, hi=40)[0]
+    prompts = [shared + p for p in random_prompts(6, seed=6, lo=1, hi=30)]
+    reference = tokens(make_llm(tiny_dir, max_num_batched_tokens=32).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(tiny_dir, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
+                   max_num_batched_tokens=32 if chunked else 2048)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    stats = llm.kv_cache_stats()
+    assert (stats["prefix_cache_hits"] > 0) == prefix
+    assert_no_leaks(llm)
+
+
+def test_prefix_hits_reported_per_request(tiny_dir):
+    llm = make_llm(tiny_dir)
+    prompt = random_prompts(1, seed=7, lo=50, hi=50)[0]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 48  # 6 full blocks of 8; the last token is always recomputed
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_parallel_sampling_forks_and_is_reproducible(tiny_dir):
+    prompt = random_prompts(1, seed=8, lo=61, hi=61)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    llm = make_llm(tiny_dir)
+    a = llm.generate([prompt], params, use_tqdm=False)[0]
+    peak_n4 = llm.kv_cache_stats()["peak_used_blocks"]
+    assert [c.index for c in a.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # samples differ
+    # same seed, other requests in the batch: same tokens
+    others = random_prompts(3, seed=9)
+    b = make_llm(tiny_dir).generate([prompt] + others, [params] + [GREEDY] * 3, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    single = make_llm(tiny_dir)
+    single.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True),
+                    use_tqdm=False)
+    peak_one = single.kv_cache_stats()["peak_used_blocks"]
+    assert peak_n4 < 2 * peak_one  # the 8 prompt blocks are shared, only tails are per sample
+    assert_no_leaks(llm)
+
+
+def test_stop_strings_and_stop_tokens(tiny_dir):
+    llm = make_llm(tiny_dir)
+    prompt = random_prompts(1, seed=10)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    # a stop string taken from the middle of the free-running text, possibly across token boundaries
+    text = free.text
+    assert len(text) > 6
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    stop_tok = free.token_ids[5]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True,
+                                                stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(stop_tok)
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == free.token_ids[:7]
+    assert_no_leaks(llm)
+
+
+def test_abort_frees_blocks_and_others_go_on(tiny_dir):
+    llm = make_llm(tiny_dir)
+    engine = llm.engine
+    prompts = random_prompts(3, seed=11, lo=30, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    engine.step()
+    engine.step()
+    used_before = engine.kv.num_free_blocks()
+    engine.abort_request("r1")
+    assert engine.kv.num_free_blocks() > used_before
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert set(done) == {"r0", "r2"}
+    expected = tokens(make_llm(tiny_dir).generate([prompts[0], prompts[2]], params, use_tqdm=False))
+    assert [done["r0"], done["r2"]] == expected
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.5}, "temperature"), ({"top_k": -3}, "top_k"), ({"min_p": 2.0}, "min_p"),
+])
+def test_bad_sampling_params_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_and_engine_keeps_serving(tiny_dir):
+    llm = make_llm(tiny_dir, max_model_len=128)
+    engine = llm.engine
+    engine.add_request("good", random_prompts(1, seed=12)[0], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty-text", "", GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [5] * 200, GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", [5, 10**6], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [5, 6], GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good"]
+    assert_no_leaks(llm)
+
+
+def test_prompt_larger_than_the_pool_is_rejected(tiny_dir):
+    llm = make_llm(tiny_dir, num_kv_blocks=4)
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([[5] * 40], GREEDY, use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def eos_dir(tmp_path_factory):
+    """Same weights, but EOS is a token this model often ranks high: beams finish at different lengths."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_eos"), "llama", seed=3, eos_token_id=157)
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5, 2.0])
+def test_beam_search_matches_transformers(eos_dir, length_penalty):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(eos_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(6, seed=21, lo=5, hi=20)
+    params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=length_penalty)
+    llm = make_llm(eos_dir)
+    outs = llm.beam_search(prompts, params)
+    ended_early = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), num_beams=4, do_sample=False, max_new_tokens=12,
+                              length_penalty=length_penalty,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        expected = ref[0, len(prompt):].tolist()
+        if 157 in expected:  # HF pads a finished beam after its EOS
+            expected = expected[: expected.index(157) + 1]
+            ended_early += len(expected) < 12
+        assert out.sequences[0].tokens == expected
+        assert len(out.sequences) == 4 and out.sequences[0].score >= out.sequences[-1].score
+    if length_penalty <= 1.0:  # (a large penalty favours long beams: none may end early)
+        assert ended_early > 0  # the EOS path was exercised
+    assert_no_leaks(llm)
+
+
+def test_beam_search_shares_blocks(tiny_dir):
+    prompt = random_prompts(1, seed=14, lo=64, hi=64)[0]
+    llm = make_llm(tiny_dir)
+    llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True))
+    peak = llm.kv_cache_stats()["peak_used_blocks"]
+    unshared = 4 * -(-(64 + 16) // 8)
+    assert peak <= 0.5 * unshared
+    assert_no_leaks(llm)
