@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
