@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 run: install
-	$(VENV)/bin/pagedllm generate --max-tokens 64
+	$(VENV)/bin/pagedllm generate --chat --max-tokens 64
 
 test: install
 	$(VENV)/bin/ruff check pagedllm tests
