@@ -73,10 +73,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     if bool((top_k < vocab).any() or (top_p < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab)[None, :]
-        drop = ranks >= top_k[:, None]
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(-1)  # top-p acts on what top-k kept, renormalised (as vLLM)
         # drop a token once the mass before it already reaches top_p (the first token always stays)
-        drop |= (cum - sorted_logits.softmax(-1)) >= top_p[:, None]
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
