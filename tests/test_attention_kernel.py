@@ -130,3 +130,24 @@ def test_build_variant_flags():
     assert name == "portable" and isa == []
     name, isa = cpu_kernel.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
     assert name == "avx512" and "-mavx512f" in isa and "-march=native" not in isa
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_paged_block_mask_eager():
+    """The FlexAttention candidate (kept for the benchmark): its paged block mask gives the reference result.
+    Eager flex on a tiny pool (the compiled path is exercised by `pagedllm bench kernel --flex`)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from pagedllm.attention.flex import paged_block_mask
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [13, 40, 8, 25]
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, [n - 1 for n in lens], [1] * 4, 8, 6, 2, 32,
+                                                 torch.float32, torch.float32)
+    ref = ReferenceBackend().forward(q, k, v, k_cache, v_cache, meta, 0.2)  # also writes the new K/V
+    nb, bs, hkv, d = k_cache.shape
+    mask = paged_block_mask(meta.block_tables, meta.seq_lens, nb, bs)
+    kf = k_cache.view(1, nb * bs, hkv, d).transpose(1, 2)
+    vf = v_cache.view(1, nb * bs, hkv, d).transpose(1, 2)
+    out = flex_attention(q[:, :, None], kf, vf, block_mask=mask, scale=0.2, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
