@@ -254,3 +254,32 @@ def test_beam_search_shares_blocks(tiny_dir):
     unshared = 4 * -(-(64 + 16) // 8)
     assert peak <= 0.5 * unshared
     assert_no_leaks(llm)
+
+
+def test_logprobs_match_transformers(tiny_dir, hf_model):
+    prompt = random_prompts(1, seed=15)[0]
+    llm = make_llm(tiny_dir)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    seq = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        ref = hf_model(seq).logits[0, len(prompt) - 1: -1].log_softmax(-1)
+    assert len(out.logprobs) == 8
+    for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert entry[tok].rank == 1
+        assert abs(entry[tok].logprob - ref[step, tok].item()) < 1e-4
+        top = ref[step].topk(3)
+        assert set(entry) == set(top.indices.tolist())
+    assert abs(out.cumulative_logprob - sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs,
+                                                                         strict=True))) < 1e-4
+
+
+def test_repetition_penalty_matches_transformers(tiny_dir, hf_model):
+    prompt = random_prompts(1, seed=16)[0]
+    llm = make_llm(tiny_dir)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.5),
+                       use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                repetition_penalty=1.5, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert out.token_ids == ref[0, len(prompt):].tolist()
