@@ -1,0 +1,351 @@
+"""AsyncEngine: drives one LLMEngine from a background thread and streams outputs to asyncio tasks.
+
+The LLMEngine is not thread-safe, so exactly one thread (the loop thread) ever touches it: asyncio code posts
+commands (add, abort, arbitrary calls) into a thread-safe queue that the loop drains between steps, and the
+loop hands each RequestOutput to the request's asyncio queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, shut down, or crashed)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while processing this request; other requests go on."""
+
+
+@dataclass
+class _Tracked:
+    """Loop-thread bookkeeping of one request."""
+
+    stream: RequestStream
+    arrival: float
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    counted_prompt: bool = False
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one request, consumed by one asyncio task. Outputs are cumulative, so when the consumer
+    lags behind, it skips straight to the newest one."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future | None = None
+    finished: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # any thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self.queue.empty():
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """Copy the mutable lists, so that the engine may keep appending to its own while we stream."""
+    outs = [dataclasses.replace(c, token_ids=list(c.token_ids),
+                                logprobs=None if c.logprobs is None else list(c.logprobs))
+            for c in out.outputs]
+    return dataclasses.replace(out, outputs=outs)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, metrics: EngineMetrics | None = None, *,
+                 stats_interval: float = 0.05) -> None:
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else EngineMetrics(engine.model_name)
+        self.stats_interval = stats_interval
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}  # loop thread only
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _closed against commands posted while the loop exits
+        self._closed = False
+        self._last_stats = 0.0
+        self._stats: dict = {}
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> AsyncEngine:
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(engine_args))
+
+    # -- read-only facts of the model ---------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        # Pure function of the tokenizer: safe to call outside the loop thread.
+        return self.engine.apply_chat_template(messages)
+
+    # -- life cycle -----------------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight end with EngineDeadError."""
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- asyncio API ----------------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Submit a request; returns once the engine has accepted it (raises its ValueError otherwise)."""
+        if not self.is_running:
+            raise EngineDeadError("engine is not running") from self.dead_error
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id or uuid.uuid4().hex, loop, accepted=loop.create_future())
+        arrival = time.monotonic()
+        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; cancellation or closing aborts it."""
+        stream = await self.add_request(prompt, params, request_id, cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and non-blocking; the blocks are freed before the next engine step."""
+        try:
+            self._post(lambda: self._do_abort(request_id))
+        except EngineDeadError:
+            pass  # nothing left to free
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) in the loop thread between two steps and return its result."""
+        if not self.is_running:
+            raise EngineDeadError("engine is not running") from self.dead_error
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._post(run)
+        return await fut
+
+    async def kv_cache_stats(self) -> dict:
+        return await self.call(lambda e: e.kv_cache_stats())
+
+    def cached_stats(self) -> dict:
+        """The newest stats snapshot taken by the loop (no waiting; may be up to stats_interval old)."""
+        return dict(self._stats)
+
+    # -- loop thread ----------------------------------------------------------------------------------------
+    def _post(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("engine is not running") from self.dead_error
+            self._commands.put(command)
+        self._wakeup.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:  # a command must never kill the loop
+                logger.exception("engine command failed")
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                    self._refresh_stats(force=False)
+                else:
+                    self._refresh_stats(force=True)
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+        except BaseException as e:  # the loop itself broke: fail everyone loudly
+            logger.exception("engine loop crashed")
+            self.dead_error = e
+        finally:
+            self._stop.set()
+            with self._lock:
+                self._closed = True
+            # Run what was posted before closing (adds must not hang their callers), then fail everyone.
+            self._drain()
+            err = EngineDeadError("engine shut down")
+            if self.dead_error is not None:
+                err.__cause__ = self.dead_error
+            self._fail_all(err)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # We cannot tell which request broke the step: fail those in flight, keep the engine serving.
+            logger.exception("engine step failed; aborting %d in-flight requests", len(self._tracked))
+            self._fail_all(RequestFailedError(f"engine step failed: {type(e).__name__}: {e}"))
+            return
+        now = time.monotonic()
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:  # aborted meanwhile
+                continue
+            if getattr(out, "error", None):  # the engine failed this request alone (and already freed it)
+                self._fail(out.request_id, RequestFailedError(out.error))
+                continue
+            try:
+                self._record(tracked, out, now)
+                tracked.stream.put(_snapshot(out))
+            except Exception as e:  # only this request fails
+                logger.exception("processing output of %s failed", out.request_id)
+                self._fail(out.request_id, RequestFailedError(f"{type(e).__name__}: {e}"))
+                continue
+            if out.finished:
+                del self._tracked[out.request_id]
+
+    def _record(self, t: _Tracked, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        if not t.counted_prompt:
+            t.counted_prompt = True
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = num_tokens - t.num_tokens
+        if new <= 0:
+            return
+        t.num_tokens = num_tokens
+        m.generation_tokens.inc(new)
+        if t.first_token_time is None:
+            t.first_token_time = now
+            m.ttft.observe(now - t.arrival)
+        elif t.last_token_time is not None:
+            m.itl.observe(now - t.last_token_time)
+        t.last_token_time = now
+
+    def _do_add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
+                cache_salt: str | None, arrival: float) -> None:
+        rid = stream.request_id
+        try:
+            if rid in self._tracked:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival)
+        except Exception as e:
+            stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
+            return
+        self._tracked[rid] = _Tracked(stream, arrival)
+        stream.loop.call_soon_threadsafe(_set_result, stream.accepted, None)
+
+    def _do_abort(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self.engine.abort_request(request_id)
+        self._refresh_stats(force=True)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("abort of %s failed", request_id)
+        if tracked is not None:
+            tracked.stream.put(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._tracked):
+            self._fail(rid, error)
+
+    def _refresh_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats < self.stats_interval:
+            return
+        self._last_stats = now
+        try:
+            stats = dict(self.engine.kv_cache_stats())
+            stats["num_running"] = self.engine.num_running()
+            stats["num_waiting"] = self.engine.num_waiting()
+        except Exception:
+            logger.exception("reading engine stats failed")
+            return
+        self._stats = stats
+        self.metrics.update_engine_stats(stats, stats["num_running"], stats["num_waiting"])
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+__all__ = ["AsyncEngine", "CompletionOutput", "EngineDeadError", "RequestFailedError", "RequestOutput",
+           "RequestStream"]

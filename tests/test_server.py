@@ -1,0 +1,439 @@
+"""The OpenAI-compatible server, end to end: the real `openai` client against a live uvicorn server on
+127.0.0.1 serving the real default model; greedy results checked against LLM.generate / LLM.chat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from pagedllm import SamplingParams  # noqa: E402
+from pagedllm.engine.async_engine import AsyncEngine  # noqa: E402
+from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-test-" + "".join(random.choices("abcdef0123456789", k=12))
+MAX_MODEL_LEN = 1024
+NUM_BLOCKS = 320
+BLOCK = 16
+WORDS = ("river apple orange cloud silver garden window music yellow market bridge winter forest number "
+         "little paper story engine planet doctor summer castle rabbit pencil").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def random_prompt(rng: random.Random, n_words: int) -> str:
+    return "Write about " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
+
+
+class LiveServer:
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from pagedllm import LLM
+
+    return LLM(dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(time.time_ns())  # fresh inputs every run
+    return [random_prompt(rng, rng.randint(3, 12)) for _ in range(64)]
+
+
+@pytest.fixture(scope="module")
+def oracle(llm, prompts):
+    """Greedy outputs of the offline API, computed before the server takes over the engine."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def server(llm, oracle):
+    engine = AsyncEngine(llm.engine)
+    app = build_app(engine, api_key=API_KEY, served_model_name="smol")
+    with LiveServer(app) as live:
+        live.engine = engine
+        yield live
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def wait_idle(server, timeout: float = 20.0) -> dict:
+    """Engine stats once no request runs or waits any more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = asyncio.run(_stats(server.engine))
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.05)
+
+
+async def _stats(engine: AsyncEngine) -> dict:
+    def read(e):
+        s = dict(e.kv_cache_stats())
+        s["num_running"], s["num_waiting"] = e.num_running(), e.num_waiting()
+        s["num_requests"] = len(e.requests)
+        return s
+
+    return await engine.call(read)
+
+
+def assert_no_leak(stats: dict) -> None:
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats  # every block free (possibly cached)
+    assert stats["num_requests"] == 0, stats
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    return values
+
+
+# --- happy paths -------------------------------------------------------------------------------------------
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smol"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_completions_greedy_equal_llm_generate(client, prompts, oracle):
+    resp = client.completions.create(model="smol", prompt=prompts[:3], max_tokens=12, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == oracle[:3]
+    assert resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completions_stream_equals_non_stream(client, prompts, oracle):
+    stream = client.completions.create(model="smol", prompt=prompts[3], max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == oracle[3]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1
+
+
+def test_sse_wire_format(server, prompts):
+    body = {"model": "smol", "prompt": prompts[4], "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for ev in events[:-2]:
+        assert ev.startswith("data: ")
+        d = json.loads(ev[len("data: "):])
+        assert d["object"] == "text_completion" and d["id"].startswith("cmpl-") and "usage" not in d
+
+
+def test_chat_greedy_equal_llm_chat_and_stream(server, llm, client):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": f"Name a colour and the number {random.randint(1, 99)}."}]
+    resp = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
+    text = resp.choices[0].message.content
+    assert resp.choices[0].message.role == "assistant" and resp.id.startswith("chatcmpl-")
+    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # LLM.chat on the same engine, run in the loop thread while no request is in flight
+    wait_idle(server)
+    expected = asyncio.run(server.engine.call(lambda e: llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]))
+    assert text == expected.outputs[0].text
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_n2_seed_reproducible(client, prompts):
+    kw = dict(model="smol", prompt=prompts[5], max_tokens=10, temperature=1.0, n=2, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompts[5]}],
+                                          max_tokens=8, n=2, seed=7, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_stop_string(client, prompts, oracle):
+    i = next(i for i, t in enumerate(oracle) if len(t.strip()) > 6)
+    text = oracle[i]
+    stop = text[3:6]  # cut somewhere inside the greedy text
+    cut = text[: text.find(stop)]
+    resp = client.completions.create(model="smol", prompt=prompts[i], max_tokens=12, temperature=0, stop=[stop])
+    assert resp.choices[0].text == cut and resp.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="smol", prompt=prompts[i], max_tokens=12, temperature=0,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == cut  # never leaks the stop string
+
+
+def test_logprobs(llm, client, prompts, oracle):
+    resp = client.completions.create(model="smol", prompt=prompts[6], max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert resp.choices[0].text == oracle[6][: len(resp.choices[0].text)]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and len(top) == 3
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-5)  # greedy: the sampled token is the top one
+        assert top[tok] == pytest.approx(logprob, abs=1e-5)
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompts[6]}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+               for t in content)
+
+
+def test_cached_tokens_on_repeated_prompt(client):
+    rng = random.Random(time.time_ns())
+    prompt = random_prompt(rng, 150)  # far more than one block, unique to this run
+    first = client.completions.create(model="smol", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="smol", prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 4 * BLOCK
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK
+
+
+def test_64_concurrent_streams(server, prompts, oracle):
+    async def one(c, i):
+        stream = await c.completions.create(model="smol", prompt=prompts[i], max_tokens=12, temperature=0,
+                                            stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120,
+                               http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100)))
+        try:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+        finally:
+            await c.close()
+
+    before = metrics(server)
+    t0 = time.perf_counter()
+    texts = asyncio.run(main())
+    elapsed = time.perf_counter() - t0
+    assert texts == oracle
+    assert_no_leak(wait_idle(server))
+    after = metrics(server)
+    assert after["pagedllm_time_to_first_token_seconds_count"] - before[
+        "pagedllm_time_to_first_token_seconds_count"] == 64
+    print(f"64 concurrent streams x 12 tokens: {elapsed:.2f}s")
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": "smol", "prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(g.startswith("data: {") for g in got)
+        m = metrics(server)
+        assert m["pagedllm_num_requests_running"] == 1 and m["pagedllm_kv_cache_usage_ratio"] > 0
+    # connection closed: the request must be aborted and its blocks freed without waiting for 900 tokens
+    deadline = time.monotonic() + 5
+    while metrics(server)["pagedllm_num_requests_running"] != 0:
+        assert time.monotonic() < deadline, "aborted request still running"
+        time.sleep(0.05)
+    stats = wait_idle(server, timeout=5)
+    assert_no_leak(stats)
+    assert metrics(server)["pagedllm_kv_cache_usage_ratio"] == 0
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+def _post(server, path, content, key=API_KEY):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(server.url + path, content=content, headers=headers)
+
+
+def _error(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"} and err["message"]
+    return err
+
+
+def test_bad_inputs(server, client, prompts, oracle):
+    _error(_post(server, "/v1/completions", b'{"model": "smol", "prompt": "hi",'), 400)
+    _error(_post(server, "/v1/chat/completions", b"not json"), 400)
+    err = _error(_post(server, "/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"})), 422)
+    assert err["param"] == "temperature"
+    _error(_post(server, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": [3]})), 422)
+    _error(_post(server, "/v1/completions", json.dumps({"prompt": "hi", "frobnicate": 1})), 422)
+    _error(_post(server, "/v1/completions", json.dumps({"max_tokens": 3})), 422)  # no prompt
+    _error(_post(server, "/v1/chat/completions", json.dumps({"messages": []})), 422)
+    for field, value in [("temperature", -1), ("top_p", 2.0), ("n", 0), ("max_tokens", 0), ("top_k", -5),
+                         ("presence_penalty", 3), ("logprobs", 50), ("min_p", 1.5)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="smol", prompt="hi", extra_body={field: value})
+        assert e.value.body["param"] == field, (field, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="word " * (MAX_MODEL_LEN + 10), max_tokens=4)
+    assert "max_model_len" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smol", prompt=[10**9, 5], max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    _error(httpx.get(server.url + "/v1/nothing-here", headers={"Authorization": f"Bearer {API_KEY}"}), 404)
+    # nothing else was disturbed
+    resp = client.completions.create(model="smol", prompt=prompts[0], max_tokens=12, temperature=0)
+    assert resp.choices[0].text == oracle[0]
+    assert_no_leak(wait_idle(server))
+
+
+def test_api_key_required(server, prompts):
+    assert _error(_post(server, "/v1/completions", json.dumps({"prompt": "x"}), key=None), 401)["code"] == (
+        "invalid_api_key")
+    _error(httpx.get(server.url + "/v1/models"), 401)
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="smol", prompt=prompts[0], max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_metrics_parse_and_move(server, client, prompts):
+    text = httpx.get(server.url + "/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"pagedllm_kv_cache_usage_ratio", "pagedllm_num_requests_running", "pagedllm_num_requests_waiting",
+            "pagedllm_prefix_cache_queries", "pagedllm_prefix_cache_hits", "pagedllm_num_preemptions",
+            "pagedllm_prompt_tokens", "pagedllm_generation_tokens", "pagedllm_time_to_first_token_seconds",
+            "pagedllm_inter_token_latency_seconds"} <= names
+    before = metrics(server)
+    resp = client.completions.create(model="smol", prompt=prompts[7], max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    wait_idle(server)
+    time.sleep(0.1)
+    after = metrics(server)
+    for name in ("pagedllm_prompt_tokens_total", "pagedllm_generation_tokens_total",
+                 "pagedllm_prefix_cache_queries_total", "pagedllm_time_to_first_token_seconds_count",
+                 "pagedllm_inter_token_latency_seconds_count"):
+        assert after[name] > before[name], name
+    assert after["pagedllm_prompt_tokens_total"] - before["pagedllm_prompt_tokens_total"] == (
+        resp.usage.prompt_tokens)
+    assert after["pagedllm_generation_tokens_total"] - before["pagedllm_generation_tokens_total"] == 8
+    assert after["pagedllm_inter_token_latency_seconds_count"] - before[
+        "pagedllm_inter_token_latency_seconds_count"] == 7
+
+
+def test_extras_accepted(client, prompts):
+    resp = client.completions.create(model="smol", prompt=prompts[8], max_tokens=7, temperature=0.8,
+                                     presence_penalty=0.5, frequency_penalty=0.5, seed=3,
+                                     extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
+                                                 "ignore_eos": True})
+    assert resp.usage.completion_tokens == 7 and resp.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                          max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3
+
+
+# --- faults ------------------------------------------------------------------------------------------------
+def test_request_failure_is_isolated(server, client, prompts, oracle, monkeypatch):
+    engine = server.engine.engine
+    original = engine._append_token
+
+    def poisoned(state, seq, sampled, j):
+        if state.prompt and "POISON" in state.prompt:
+            raise RuntimeError("injected fault")
+        return original(state, seq, sampled, j)
+
+    monkeypatch.setattr(engine, "_append_token", poisoned)
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        try:
+            good = c.completions.create(model="smol", prompt=prompts[9], max_tokens=12, temperature=0)
+            bad = c.completions.create(model="smol", prompt="POISON " + prompts[9], max_tokens=12)
+            return await asyncio.gather(good, bad, return_exceptions=True)
+        finally:
+            await c.close()
+
+    good, bad = asyncio.run(main())
+    assert isinstance(bad, openai.InternalServerError), bad
+    assert good.choices[0].text == oracle[9]
+    stream = client.completions.create(model="smol", prompt="POISON x", max_tokens=4, stream=True)
+    with pytest.raises(openai.APIError):
+        list(stream)
+    monkeypatch.setattr(engine, "_append_token", original)
+    assert_no_leak(wait_idle(server))
+
+
+def test_step_failure_fails_in_flight_only(server, client, prompts, oracle, monkeypatch):
+    engine = server.engine.engine
+    original = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step fault")
+        return original()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="smol", prompt=prompts[10], max_tokens=12, temperature=0)
+    assert_no_leak(wait_idle(server))
+    resp = client.completions.create(model="smol", prompt=prompts[10], max_tokens=12, temperature=0)
+    assert resp.choices[0].text == oracle[10]
+    assert httpx.get(server.url + "/health").status_code == 200
