@@ -11,7 +11,8 @@ import torch
 
 
 def _blocks(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(raw)).view(-1, block_bytes)
+    # a private copy of the (read-only, memory-mapped) bytes: cheap next to the float32 output
+    return torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).view(-1, block_bytes)
 
 
 def _f16(b: torch.Tensor, start: int) -> torch.Tensor:

@@ -133,8 +133,8 @@ def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
     """float32 (or the stored float type) tensor of t's shape."""
     if t.ggml_type not in GGML_TYPES:
         supported = ", ".join(v[0] for v in GGML_TYPES.values())
-        raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {t.ggml_type}, which pagedllm cannot "
-                                    f"dequantise; supported: {supported}")
+        raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {_type_name(t.ggml_type)}, which pagedllm "
+                                    f"cannot dequantise; supported: {supported}")
     name, block, nbytes = GGML_TYPES[t.ggml_type]
     raw = f.blob[t.offset:t.offset + _nbytes(t)]
     if name in ("F32", "F16", "BF16"):
@@ -143,6 +143,15 @@ def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
     from pagedllm.model import dequant
 
     return dequant.dequantize(raw, name, t.shape)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return f"{GGMLQuantizationType(ggml_type).name} ({ggml_type})"
+    except (ImportError, ValueError):
+        return str(ggml_type)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -160,6 +169,12 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
 
     def get(key: str, default: Any = None) -> Any:
         return m.get(f"{arch}.{key}", default)
+
+    for t in f.tensors.values():  # fail before dequantising anything
+        if t.ggml_type not in GGML_TYPES:
+            supported = ", ".join(v[0] for v in GGML_TYPES.values())
+            raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {_type_name(t.ggml_type)}, which "
+                                        f"pagedllm cannot dequantise; supported: {supported}")
 
     try:
         hidden = int(get("embedding_length"))

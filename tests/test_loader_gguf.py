@@ -1,0 +1,217 @@
+"""GGUF loading vs transformers loading the same file (its own reader and dequantiser are the oracle):
+tiny Llama / Qwen2 / Qwen3 files written with the gguf package in every supported tensor type; clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from pagedllm.attention import build_attention_metadata  # noqa: E402
+from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model  # noqa: E402
+from pagedllm.model.gguf_loader import CorruptGGUFError  # noqa: E402
+
+H, FFN, V, LAYERS = 256, 512, 256, 2  # rows of 256: K-quants need it
+# heads per arch; qwen3 keeps head_dim 128 because transformers' GGUF path ignores qwen3.attention.key_length
+HEADS = {"llama": (4, 2), "qwen2": (4, 2), "qwen3": (2, 1)}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows of llama models (so the loader must undo it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _kquant_bytes(rng: np.random.Generator, rows: int, cols: int, qt: Q) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantise to them) with sane fp16 scales."""
+    nblk = rows * cols // 256
+    if qt == Q.Q4_K:
+        b = rng.integers(0, 256, (nblk, 144), dtype=np.uint8)
+        b[:, 0:2] = np.frombuffer(rng.uniform(0.001, 0.004, nblk).astype(np.float16).tobytes(),
+                                  np.uint8).reshape(nblk, 2)
+        b[:, 2:4] = np.frombuffer(rng.uniform(0.001, 0.004, nblk).astype(np.float16).tobytes(),
+                                  np.uint8).reshape(nblk, 2)
+    else:  # Q6_K: scales are int8, d is the fp16 at the end
+        b = rng.integers(0, 256, (nblk, 210), dtype=np.uint8)
+        b[:, 208:210] = np.frombuffer(rng.uniform(0.0005, 0.002, nblk).astype(np.float16).tobytes(),
+                                      np.uint8).reshape(nblk, 2)
+    return b.reshape(rows, -1)
+
+
+def write_gguf(path: str, arch: str, types: dict[str, Q], seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    NH, NKV = HEADS.get(arch, (4, 2))  # noqa: N806
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(NH)
+    w.add_head_count_kv(NKV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_rope_dimension_count(H // NH)
+    if arch == "qwen3":
+        w.add_key_length(H // NH)
+        w.add_value_length(H // NH)
+
+    def rnd(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    def add(name: str, arr: np.ndarray, role: str | None = None) -> None:
+        qt = types.get(role, Q.F32) if role else Q.F32
+        if qt in (Q.Q4_K, Q.Q6_K):
+            w.add_tensor(name, _kquant_bytes(rng, *arr.shape, qt), raw_dtype=qt)
+        elif qt == Q.F32:
+            w.add_tensor(name, arr)
+        elif qt == Q.IQ4_NL:  # a type we do not support: random blocks are enough to get rejected
+            blk, nbytes = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // blk * nbytes), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qt)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    def norm(n: int) -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    add("token_embd.weight", rnd(V, H) * 16, "embed")
+    add("output_norm.weight", norm(H))
+    if arch != "llama":  # llama: tied embeddings, like SmolLM2
+        add("output.weight", rnd(V, H), "out")
+    kv = H * NKV // NH
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", norm(H))
+        add(p + "ffn_norm.weight", norm(H))
+        q, k = rnd(H, H), rnd(kv, H)
+        if arch == "llama":
+            q, k = _permute(q, NH), _permute(k, NKV)
+        add(p + "attn_q.weight", q, "q")
+        add(p + "attn_k.weight", k, "k")
+        add(p + "attn_v.weight", rnd(kv, H), "v")
+        add(p + "attn_output.weight", rnd(H, H), "o")
+        add(p + "ffn_gate.weight", rnd(FFN, H), "gate")
+        add(p + "ffn_up.weight", rnd(FFN, H), "up")
+        add(p + "ffn_down.weight", rnd(H, FFN), "down")
+        if arch == "qwen2":
+            for x, n in (("q", H), ("k", kv), ("v", kv)):
+                add(p + f"attn_{x}.bias", 0.3 * rng.standard_normal(n).astype(np.float32))
+        if arch == "qwen3":
+            add(p + "attn_q_norm.weight", norm(H // NH))
+            add(p + "attn_k_norm.weight", norm(H // NH))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+TYPE_SETS = {
+    "float": {"embed": Q.F16, "out": Q.BF16, "q": Q.F32, "k": Q.F16, "v": Q.BF16, "o": Q.F16, "gate": Q.BF16,
+              "up": Q.F32, "down": Q.F16},
+    "q32": {"embed": Q.Q8_0, "out": Q.Q8_0, "q": Q.Q4_1, "k": Q.Q4_0, "v": Q.Q8_0, "o": Q.Q4_0, "gate": Q.Q4_1,
+            "up": Q.Q8_0, "down": Q.Q4_1},
+    "kquant": {"embed": Q.Q6_K, "out": Q.Q6_K, "q": Q.Q4_K, "k": Q.Q6_K, "v": Q.Q4_K, "o": Q.Q6_K,
+               "gate": Q.Q4_K, "up": Q.Q6_K, "down": Q.Q4_K},
+}
+
+
+def _paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
+    bs = 16
+    kv = allocate_kv_caches(loaded.config, bs, torch.float32, num_blocks=8)
+    n = len(tokens)
+    table = [5, 2, 7, 0][: -(-n // bs)]
+    meta = build_attention_metadata([table], [0], [n], bs)
+    h = loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta)
+    return loaded.model.compute_logits(h)
+
+
+@pytest.mark.parametrize("types", list(TYPE_SETS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_matches_transformers(tmp_path, arch, types):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "m.gguf"
+    write_gguf(str(path), arch, TYPE_SETS[types])
+    ours = load_model(str(path), "float32", attention_backend="reference", load_tokenizer=False)
+    assert ours.config.architecture == arch
+    assert ours.config.tie_word_embeddings == (arch == "llama")
+    assert ours.config.qkv_bias == (arch == "qwen2") and ours.config.qk_norm == (arch == "qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
+    tokens = np.random.default_rng(1).integers(0, V, 37).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    got = _paged_logits(ours, tokens)
+    assert ref.abs().max() > 1.0  # the comparison means something
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_dequant_matches_gguf_package():
+    """Our torch Q4_0/Q4_1/Q8_0 kernels vs the gguf package on random data, bit for bit."""
+    from pagedllm.model.dequant import dequantize
+
+    x = np.random.default_rng(2).standard_normal((64, 128)).astype(np.float32)
+    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        raw = gguf.quants.quantize(x, qt)
+        ref = gguf.quants.dequantize(raw, qt)
+        got = dequantize(raw.reshape(-1), qt.name, (64, 128)).numpy()
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04 definitely not gguf" * 10)
+    with pytest.raises(CorruptGGUFError, match="not a GGUF"):
+        load_model(str(p), load_tokenizer=False)
+
+
+def test_truncated_gguf(tmp_path):
+    p = tmp_path / "m.gguf"
+    write_gguf(str(p), "llama", TYPE_SETS["q32"])
+    data = p.read_bytes()
+    for cut in (100, len(data) // 2):  # inside the metadata; inside the tensor data
+        t = tmp_path / f"cut{cut}.gguf"
+        t.write_bytes(data[:cut])
+        with pytest.raises(CorruptGGUFError, match="truncated|corrupt"):
+            load_model(str(t), load_tokenizer=False)
+
+
+def test_unsupported_architecture(tmp_path):
+    p = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(p), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama"):
+        load_model(str(p), load_tokenizer=False)
+
+
+def test_unsupported_quant_type(tmp_path):
+    p = tmp_path / "m.gguf"
+    write_gguf(str(p), "llama", {**TYPE_SETS["q32"], "down": Q.IQ4_NL})
+    with pytest.raises(UnsupportedModelError, match="IQ4_NL.*supported: F32"):
+        load_model(str(p), load_tokenizer=False)
+
+
+def test_token_id_check(tmp_path):
+    p = tmp_path / "m.gguf"
+    write_gguf(str(p), "qwen2", TYPE_SETS["q32"])
+    loaded = load_model(str(p), attention_backend="reference", load_tokenizer=False)
+    loaded.check_token_ids([0, 5, V - 1])
+    for bad in ([V], [-1], [3, 10**9]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            loaded.check_token_ids(bad)
