@@ -75,7 +75,7 @@ def llm():
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(time.time_ns())  # fresh inputs every run
-    return [random_prompt(rng, rng.randint(3, 12)) for _ in range(64)]
+    return [random_prompt(rng, rng.randint(3, 8)) for _ in range(64)]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -161,7 +161,17 @@ def serve_main(args: argparse.Namespace) -> None:
     app = build_app(EngineArgs.from_cli_args(args), api_key=api_key, served_model_name=args.served_model_name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
-    uvicorn.Server(config).run()
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the captured signal after its graceful shutdown (exit status -15);
+            # the shutdown was clean, so exit 0 instead.
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    Server(config).run()
 
 
 def main(argv: list[str] | None = None) -> Any:
