@@ -1,0 +1,44 @@
+"""The real SmolLM2-135M-Instruct GGUF through the whole engine, against transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.loader import default_model_path
+
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
+             "Write one sentence about the sea.", "What is 12 plus 7?", "Say hello in Spanish."]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", attention_backend="reference", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+def test_batched_chat_greedy_matches_transformers(llm, hf_model):
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for out in outs:
+        prompt = out.prompt_token_ids
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    print("\nSmolLM2:", QUESTIONS[0], "->", outs[0].outputs[0].text)
+    assert "Paris" in outs[0].outputs[0].text
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["prefix_cache_hits"] > 0  # the chat template's shared system prompt
