@@ -75,7 +75,15 @@ class LlamaForCausalLM(nn.Module):
         self.set_attention_backend(attention_backend)
 
     def set_attention_backend(self, backend: AttentionBackend | str) -> None:
-        self.attn_backend = get_backend(backend) if isinstance(backend, str) else backend
+        """A backend object, or a name resolved on first use (so that loading never builds a kernel the engine
+        is about to replace)."""
+        self._attn_backend = backend
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        if isinstance(self._attn_backend, str):
+            self._attn_backend = get_backend(self._attn_backend)
+        return self._attn_backend
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
