@@ -151,3 +151,12 @@ def test_flex_paged_block_mask_eager():
     vf = v_cache.view(1, nb * bs, hkv, d).transpose(1, 2)
     out = flex_attention(q[:, :, None], kf, vf, block_mask=mask, scale=0.2, enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_auto_falls_back_to_reference_when_build_fails(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(cpu_kernel, "load_ops", broken)
+    assert get_backend("auto").name == "reference"
+    assert "simulated compiler failure" in caplog.text

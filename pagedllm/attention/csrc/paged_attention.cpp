@@ -297,21 +297,31 @@ inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, 
   }
 }
 
-// Prefetch the rows of the next chunk (the block table scatters them; the hardware prefetcher cannot follow).
-template <int ND>
-inline void prefetch_chunk(const Problem& p, int64_t h, KeyCursor cur, int64_t nk) {
-  constexpr int D = ND * 16;
-  const int64_t esz = p.kv_bf16 ? 2 : 4;
-  const char* kbase = static_cast<const char*>(p.kc);
-  const char* vbase = static_cast<const char*>(p.vc);
-  for (int64_t j = 0; j < nk; ++j, cur.next()) {
-    const int64_t off = (cur.slot() * p.kv_tok_stride + h * D) * esz;
-    for (int64_t b = 0; b < D * esz; b += 64) {
-      _mm_prefetch(kbase + off + b, _MM_HINT_T0);
-      _mm_prefetch(vbase + off + b, _MM_HINT_T0);
+// Software prefetch of the K/V rows ahead of the chunk being computed: the block table scatters the rows, so the
+// hardware prefetcher cannot follow across blocks.
+#ifndef PA_PREFETCH_CHUNKS
+#define PA_PREFETCH_CHUNKS 1
+#endif
+struct Prefetcher {
+  KeyCursor cur;
+  int64_t next;  // next key to prefetch
+  Prefetcher(const int32_t* table, int64_t bs, int64_t k0) : cur(table, bs, k0), next(k0) {}
+  template <int ND>
+  inline void run(const Problem& p, int64_t h, int64_t c, int64_t k1) {
+    constexpr int D = ND * 16;
+    const int64_t esz = p.kv_bf16 ? 2 : 4;
+    const int64_t target = std::min<int64_t>(k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk);
+    const char* kbase = static_cast<const char*>(p.kc);
+    const char* vbase = static_cast<const char*>(p.vc);
+    for (; next < target; ++next, cur.next()) {
+      const int64_t off = (cur.slot() * p.kv_tok_stride + h * D) * esz;
+      for (int64_t b = 0; b < D * esz; b += 64) {
+        _mm_prefetch(kbase + off + b, _MM_HINT_T0);
+        _mm_prefetch(vbase + off + b, _MM_HINT_T0);
+      }
     }
   }
-}
+};
 
 // "dot" path: few rows (decode and short prefills). Per row: 16 dot products reduced to one vector of scores.
 template <int ND>
@@ -329,13 +339,14 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
   std::fill(l, l + rows, 0.f);
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
+  Prefetcher pf(table, p.bs, it.k0);
   const float* kr[kChunk];
   const float* vr[kChunk];
   alignas(64) float pb[kChunk];
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    pf.run<ND>(p, it.h, c, it.k1);
     chunk_rows<ND>(p, it.h, cur, nk, false, s.kbuf.get(), s.vbuf.get(), kr, vr);
-    if (c + kChunk < it.k1) prefetch_chunk<ND>(p, it.h, cur, std::min<int64_t>(kChunk, it.k1 - c - kChunk));
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t nv = std::min<int64_t>(nk, pos[i] - c + 1);
       if (nv <= 0) continue;
@@ -392,13 +403,14 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
   }
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
+  Prefetcher pf(table, p.bs, it.k0);
   const float* kr[kChunk];
   const float* vr[kChunk];
   float* kb = s.kbuf.get();
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    pf.run<ND>(p, it.h, c, it.k1);
     chunk_rows<ND>(p, it.h, cur, nk, true, kb, s.vbuf.get(), kr, vr);
-    if (c + kChunk < it.k1) prefetch_chunk<ND>(p, it.h, cur, std::min<int64_t>(kChunk, it.k1 - c - kChunk));
     for (int v = 0; v < nvec; ++v) {
       if (pos[v * 16 + 15] < c) continue;  // positions grow with the row: every row of v is before this chunk
       __m512 sacc[kChunk];
