@@ -126,8 +126,10 @@ def test_bad_block_table_rejected():
 
 
 def test_build_variant_flags():
-    name, isa = cpu_kernel.build_variant({"sse2", "avx2", "fma"})
+    name, isa = cpu_kernel.build_variant({"sse2", "sse4_2"})
     assert name == "portable" and isa == []
+    name, isa = cpu_kernel.build_variant({"sse2", "avx2", "fma"})
+    assert name == "avx2" and not any("avx512" in f for f in isa)
     name, isa = cpu_kernel.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
     assert name == "avx512" and "-mavx512f" in isa and "-march=native" not in isa
 

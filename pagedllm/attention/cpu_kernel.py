@@ -5,8 +5,8 @@ chunks of keys, all query heads of a KV head together (GQA), fp32 or bf16 KV, pa
 tile) with OpenMP and long contexts split across threads and merged.
 
 Build: torch.utils.cpp_extension.load with ninja, -O3 -fopenmp. When the CPU has AVX-512 (F/BW/DQ/VL) the
-AVX-512 variant is compiled with explicit -mavx512* flags (plus -mavx512bf16 where present); otherwise a portable
-variant with no ISA flags. Never -march=native, so a cached build is only reused on a CPU with the same flags: the
+AVX-512 variant is compiled with explicit -mavx512* flags (plus -mavx512bf16 where present); otherwise the portable
+code only, with -mavx2 -mfma where the CPU has them and no ISA flags at all if not. Never -march=native, so a cached build is only reused on a CPU with the same flags: the
 cache directory (per user, $PAGEDLLM_CACHE_DIR or ~/.cache/pagedllm) is keyed by the source hash and the variant.
 If the build fails, get_backend("auto") logs a warning and falls back to the reference backend.
 """
@@ -55,6 +55,8 @@ def build_variant(flags: set[str] | None = None) -> tuple[str, list[str]]:
             isa.append("-mavx512bf16")
             name += "bf16"
         return name, isa
+    if "avx2" in flags and "fma" in flags:  # portable code, auto-vectorised for AVX2
+        return "avx2", ["-mavx2", "-mfma"]
     return "portable", []
 
 
@@ -81,7 +83,7 @@ def load_ops():
             build_dir.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(
                 name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
-                extra_cflags=["-O3", "-fopenmp", "-std=c++17", *isa], extra_ldflags=["-fopenmp"], verbose=False)
+                extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=["-fopenmp"], verbose=False)
             _ops = torch.ops.pagedllm_cpu
             logger.info("cpu attention kernel loaded (%s, %s)", variant, build_dir)
             return _ops

@@ -201,6 +201,7 @@ void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partia
         float dot = 0.f;
         const float* qi = q + i * d;
         const float* kj = kb + j * d;
+#pragma omp simd reduction(+ : dot)
         for (int64_t e = 0; e < d; ++e) dot += qi[e] * kj[e];
         sc[j] = dot;
         mc = std::max(mc, dot);
