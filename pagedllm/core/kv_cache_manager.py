@@ -62,6 +62,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_NO_BLOCKS: list[KVBlock] = []  # shared empty table; never mutated
+
+
 @dataclass
 class _RequestBlocks:
     blocks: list[KVBlock] = field(default_factory=list)
@@ -144,17 +147,22 @@ class KVCacheManager:
         pool = self.block_pool
         rid = request.request_id
         state = self._requests.get(rid)
-        cur_blocks = state.blocks if state is not None else []
+        cur_blocks = state.blocks if state is not None else _NO_BLOCKS
+        num_cur = len(cur_blocks)
         num_computed = request.num_computed_tokens
-        if num_computed < 0 or num_computed > len(cur_blocks) * B:
+        if num_computed < 0 or num_computed > num_cur * B:
             raise InconsistentRequestError(
                 f"request {rid!r} has num_computed_tokens={num_computed} but its block table holds "
-                f"{len(cur_blocks) * B} token slots")
-        ncb = list(new_computed_blocks or ())
+                f"{num_cur * B} token slots")
         known_hashes = state.block_hashes if state is not None else self._memo_hashes(request)
-        if ncb:
+        if new_computed_blocks:
+            ncb = list(new_computed_blocks)
             known_hashes = self._check_computed_blocks(request, state, ncb, known_hashes)
+            num_revived = sum(1 for b in ncb if b.ref_cnt == 0)  # cached free blocks leave the free queue
+        else:
+            ncb, num_revived = _NO_BLOCKS, 0
         total = num_computed + len(ncb) * B + num_new_tokens
+        num_table_blocks = -(-total // B)
 
         # How many blocks this needs from the free queue (all checks before any change).
         if self.kv_layout == "contiguous":
@@ -163,18 +171,16 @@ class KVCacheManager:
                     f"request {rid!r} needs {total} token slots, more than max_model_len={self.max_model_len}")
             num_new_blocks = self._blocks_per_reservation if state is None else 0
         else:
-            num_new_blocks = max(0, _cdiv(total, B) - len(cur_blocks) - len(ncb))
-        num_full_before = state.num_full_blocks if state is not None else 0
+            num_new_blocks = max(0, num_table_blocks - num_cur - len(ncb))
         cow_index: list[int] = []
-        if num_new_tokens > 0 and cur_blocks:
+        if num_new_tokens > 0 and num_cur:
             # Blocks the new tokens write into, shared and not yet full: copy first. Full blocks hold the
             # same tokens for every holder, so they are never copied.
-            for i in range(max(num_computed // B, num_full_before), min(len(cur_blocks), _cdiv(total, B))):
+            for i in range(max(num_computed // B, state.num_full_blocks), min(num_cur, num_table_blocks)):
                 if cur_blocks[i].ref_cnt > 1:
                     cow_index.append(i)
-        num_revived = sum(1 for b in ncb if b.ref_cnt == 0)  # cached free blocks leave the free queue
         needed = num_new_blocks + len(cow_index) + num_revived
-        if pool.num_free_blocks() - needed < num_reserved_blocks:
+        if pool.free_block_queue.num_free_blocks - needed < num_reserved_blocks:
             return None
 
         # Commit.
@@ -200,13 +206,16 @@ class KVCacheManager:
         if total > state.num_tokens:
             self._used_slots += total - state.num_tokens
             state.num_tokens = total
-        self._register_full_blocks(request, state, total, known_hashes)
+        if min(total, len(request.all_token_ids)) // B > state.num_full_blocks:
+            self._register_full_blocks(request, state, total, known_hashes)
         if first_allocation and self.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
+            num_tokens = request.num_tokens
+            self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += len(ncb) * B
-            self.prefix_cache_block_queries += max(0, (request.num_tokens - 1) // B)
+            self.prefix_cache_block_queries += max(0, (num_tokens - 1) // B)
             self.prefix_cache_block_hits += len(ncb)
-        self._update_peak()
+        if needed:
+            self._update_peak()
         return copies
 
     def _memo_hashes(self, request: Request) -> list[bytes]:
@@ -246,16 +255,18 @@ class KVCacheManager:
         if n_full <= state.num_full_blocks:
             return
         if self.enable_prefix_caching:
-            start = state.block_hashes
-            if len(known_hashes) > len(start) and known_hashes[:len(start)] == start:
-                start = known_hashes[:n_full]  # reuse what the lookup already hashed
-            hashes = hash_request_blocks(request.all_token_ids[:n_full * B], B, request.cache_salt,
-                                         start_hashes=start)
+            hashes = state.block_hashes  # one per full block; extended in place (fork copies the list)
+            reuse = known_hashes if known_hashes is not hashes else ()  # hashed by the lookup already
+            tokens, salt = request.all_token_ids, request.cache_salt
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), n_full):  # only the new blocks: no O(sequence) work per step
+                parent = reuse[i] if i < len(reuse) else hash_block_tokens(
+                    parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, salt))
+                hashes.append(parent)
             cache = self.block_pool.cache_full_block
             blocks = state.blocks
             for i in range(state.num_full_blocks, n_full):
                 cache(blocks[i], hashes[i])
-            state.block_hashes = hashes
         state.num_full_blocks = n_full
 
     # ---- sharing and release ----------------------------------------------------------------------

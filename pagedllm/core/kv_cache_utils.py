@@ -8,10 +8,10 @@ unlike Python's salted 64-bit hash().
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from hashlib import sha256
 
 _NO_PARENT = b"\x00"  # distinguishes the first block from any 32-byte parent digest
 _HAS_PARENT = b"\x01"
@@ -45,17 +45,11 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
     """32-byte sha256 digest of one block given its parent's digest (None for the first block)."""
-    h = hashlib.sha256()
-    if parent_hash is None:
-        h.update(_NO_PARENT)
-    else:
-        h.update(_HAS_PARENT)
-        h.update(parent_hash)
-    h.update(len(token_ids).to_bytes(8, "little"))
-    h.update(_token_bytes(token_ids))
+    data = (_NO_PARENT if parent_hash is None else _HAS_PARENT + parent_hash) \
+        + len(token_ids).to_bytes(8, "little") + _token_bytes(token_ids)
     if extra_keys:
-        h.update(_encode_key(tuple(extra_keys)))
-    return h.digest()
+        data += _encode_key(tuple(extra_keys))
+    return sha256(data).digest()
 
 
 def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple:
@@ -71,8 +65,10 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int, cache_salt: s
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     hashes = list(start_hashes)
     parent = hashes[-1] if hashes else None
+    if not hashes and cache_salt is not None and len(token_ids) >= block_size:
+        parent = hash_block_tokens(None, token_ids[:block_size], (cache_salt,))
+        hashes.append(parent)
     for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
-                                   block_extra_keys(i, cache_salt))
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes

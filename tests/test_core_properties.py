@@ -1,0 +1,239 @@
+"""Property-based tests of the paged KV core: random interleavings of admissions (with prefix-cache hits and
+chunked prefill), decode steps, forks (copy-on-write), frees, evictions and cache resets, against a
+simulated KV memory. After every step:
+- each block's ref count equals the number of block tables holding it;
+- the free queue holds exactly the blocks with ref count 0, each once;
+- every hash in the map points at a block carrying that hash (and every hashed block is in the map);
+- tables are exactly as long as needed (paged) or the full reservation (contiguous);
+- after each simulated model step, every request reads back its own tokens through its block table
+  (this catches a missed copy-on-write, a wrong cache hit or a block handed out while still in use);
+- when all requests are freed, every block is free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_utils import hash_request_blocks
+from pagedllm.core.request import Request
+
+# Few distinct tokens and shared "system prompts" so that prefix-cache hits and hash duplicates happen.
+TOKENS = st.integers(min_value=0, max_value=3)
+PREFIXES = [[1, 2, 3, 0, 1, 2, 3, 0, 2, 2], [3, 3, 1, 0, 2, 1], []]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCoreMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4, 4]), num_blocks=st.integers(6, 32),
+                layout=st.sampled_from([("paged", True), ("paged", True), ("paged", False), ("contiguous", False)]))
+    def setup(self, block_size: int, num_blocks: int, layout: tuple[str, bool]) -> None:
+        contiguous, caching = layout[0] == "contiguous", layout[1]
+        self.B = block_size
+        self.max_len = 12
+        self.contiguous = contiguous and cdiv(self.max_len, block_size) <= num_blocks
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                                kv_layout="contiguous" if self.contiguous else "paged",
+                                max_model_len=self.max_len)
+        self.live: list[Request] = []
+        self.pending: dict[str, tuple[int, int, list[tuple[int, int]]]] = {}  # rid -> (start, n, copies)
+        self.memory: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
+        self.next_id = 0
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _snapshot(self) -> tuple:
+        pool = self.m.block_pool
+        return ([b.block_id for b in pool.free_block_queue], [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+                dict(pool.cached_block_hash_to_block), self.m.stats(),
+                {r.request_id: self.m.get_block_ids(r) for r in self.live})
+
+    def _idle(self) -> list[Request]:
+        return [r for r in self.live if r.request_id not in self.pending]
+
+    def _allocate(self, r: Request, n: int, hits=None, reserve: int = 0) -> bool:
+        before = self._snapshot()
+        start = r.num_computed_tokens + len(hits or ()) * self.B
+        copies = self.m.allocate_slots(r, n, hits, num_reserved_blocks=reserve)
+        if copies is None:
+            assert self._snapshot() == before, "a failed allocation changed the pool"
+            event("allocation refused")
+            return False
+        if copies:
+            event("copy-on-write")
+        if hits:
+            event("prefix-cache hit")
+        self.pending[r.request_id] = (start, n, copies)
+        return True
+
+    # ---- rules -------------------------------------------------------------------------------------
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(TOKENS, min_size=1, max_size=6),
+          chunk=st.integers(1, 12), reserve=st.integers(0, 3), salt=st.sampled_from([None, None, "t"]))
+    def admit(self, prefix, tail, chunk, reserve, salt) -> None:
+        r = Request(self._new_id(), (prefix + tail)[: self.max_len - 1], cache_salt=salt)
+        hits, n_cached = self.m.get_computed_blocks(r)
+        assert n_cached == len(hits) * self.B < r.num_tokens
+        if self._allocate(r, min(chunk, r.num_tokens - n_cached), hits, reserve):
+            r.num_computed_tokens = n_cached  # what the scheduler does after a successful admission
+            self.live.append(r)
+
+    @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self._idle()))
+    @rule(data=st.data())
+    def schedule(self, data) -> None:
+        """Prefill chunk or decode: allocate slots for (some of) the uncomputed tokens."""
+        r = data.draw(st.sampled_from([r for r in self._idle() if r.num_computed_tokens < r.num_tokens]))
+        n = data.draw(st.integers(1, r.num_tokens - r.num_computed_tokens))
+        self._allocate(r, n)
+
+    @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens < self.max_len for r in self._idle()))
+    @rule(data=st.data(), token=TOKENS)
+    def sample(self, data, token) -> None:
+        r = data.draw(st.sampled_from([r for r in self._idle()
+                                       if r.num_computed_tokens == r.num_tokens < self.max_len]))
+        r.append_output_token(token)
+
+    @precondition(lambda self: bool(self._idle()))
+    @rule(data=st.data(), token=TOKENS)
+    def fork(self, data, token) -> None:
+        """A beam candidate: the parent's computed tokens plus its own sampled (uncomputed) token."""
+        p = data.draw(st.sampled_from(self._idle()))
+        tokens = p.all_token_ids[: p.num_computed_tokens] + [token]
+        c = Request(self._new_id(), tokens[: self.max_len], cache_salt=p.cache_salt)
+        c.num_computed_tokens = p.num_computed_tokens
+        self.m.fork(p, c)
+        self.live.append(c)
+
+    @precondition(lambda self: any(0 < r.num_computed_tokens < self.max_len for r in self._idle()))
+    @rule(data=st.data(), tokens=st.tuples(TOKENS, TOKENS))
+    def beam_step(self, data, tokens) -> None:
+        """Fork a request and extend both beams in the same step (copy-on-write territory)."""
+        event("beam step")
+        p = data.draw(st.sampled_from([r for r in self._idle() if 0 < r.num_computed_tokens < self.max_len]))
+        c = Request(self._new_id(), p.all_token_ids[: p.num_computed_tokens] + [tokens[1]],
+                    cache_salt=p.cache_salt)
+        c.num_computed_tokens = p.num_computed_tokens
+        self.m.fork(p, c)
+        self.live.append(c)
+        if p.num_computed_tokens == p.num_tokens:
+            p.append_output_token(tokens[0])
+        self._allocate(p, p.num_tokens - p.num_computed_tokens)
+        self._allocate(c, 1)
+
+    @precondition(lambda self: bool(self._idle()))
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        r = data.draw(st.sampled_from(self._idle()))
+        self.m.free(r)
+        self.live.remove(r)
+
+    @rule()
+    def step(self) -> None:
+        """The worker: all copy-on-write copies of the step, then all new K/V writes; then read back."""
+        for _, _, copies in self.pending.values():
+            for src, dst in copies:
+                self.memory[dst] = list(self.memory[src])
+        by_id = {r.request_id: r for r in self.live}
+        for rid, (start, n, _) in self.pending.items():
+            r = by_id[rid]
+            table = self.m.get_block_ids(r)
+            for t in range(start, start + n):
+                self.memory[table[t // self.B]][t % self.B] = r.all_token_ids[t]
+            r.num_computed_tokens = start + n
+        self.pending.clear()
+        for r in self.live:
+            table = self.m.get_block_ids(r)
+            seen = [self.memory[table[t // self.B]][t % self.B] for t in range(r.num_computed_tokens)]
+            assert seen == r.all_token_ids[: r.num_computed_tokens], f"{r.request_id} reads wrong K/V"
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def free_all(self) -> None:
+        for r in self.live:
+            self.m.free(r)
+        self.live.clear()
+        assert self.m.num_free_blocks() == self.m.num_blocks
+        assert self.m.stats()["used_slots"] == 0
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        in_use = self.m.num_free_blocks() < self.m.num_blocks
+        assert self.m.reset_prefix_cache() is (not in_use)
+
+    # ---- invariants --------------------------------------------------------------------------------
+    @invariant()
+    def ref_counts_match_tables(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        holders = Counter(b for r in self.live for b in self.m.get_block_ids(r))
+        for b in self.m.block_pool.blocks:
+            assert b.ref_cnt == holders[b.block_id], f"block {b.block_id}: ref {b.ref_cnt} != {holders[b.block_id]}"
+
+    @invariant()
+    def free_queue_is_exactly_the_free_blocks(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        pool = self.m.block_pool
+        queued = [b.block_id for b in pool.free_block_queue]
+        assert len(queued) == len(set(queued)) == pool.num_free_blocks()
+        assert set(queued) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+
+    @invariant()
+    def hash_map_is_consistent(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        pool = self.m.block_pool
+        for h, b in pool.cached_block_hash_to_block.items():
+            assert b.block_hash == h
+        assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached_block_hash_to_block)
+        for r in self.live:  # a cached block in a table stands for exactly that request's prefix
+            table = self.m.get_block_ids(r)
+            full = self.m._requests[r.request_id].num_full_blocks
+            expected = hash_request_blocks(r.all_token_ids[: full * self.B], self.B, r.cache_salt)
+            for i in range(full):
+                h = pool.blocks[table[i]].block_hash
+                assert h is None or h == expected[i]
+
+    @invariant()
+    def tables_have_the_right_length_and_stats_add_up(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        covered = 0
+        for r in self.live:
+            state = self.m._requests[r.request_id]
+            n_blocks = len(self.m.get_block_ids(r))
+            if self.contiguous:
+                assert n_blocks == cdiv(self.max_len, self.B)
+            else:
+                assert n_blocks == cdiv(state.num_tokens, self.B)
+            assert r.num_computed_tokens <= state.num_tokens <= n_blocks * self.B
+            covered += state.num_tokens
+        s = self.m.stats()
+        assert s["used_slots"] == covered
+        assert s["allocated_slots"] == (s["num_blocks"] - s["num_free_blocks"]) * self.B
+        assert s["prefix_cache_hits"] <= s["prefix_cache_queries"]
+        assert s["peak_used_blocks"] >= s["num_blocks"] - s["num_free_blocks"]
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.step()
+        for r in self.live:
+            self.m.free(r)
+        assert self.m.num_free_blocks() == self.m.num_blocks
+        assert all(b.ref_cnt == 0 for b in self.m.block_pool.blocks)
+
+
+KVCoreMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestKVCore = KVCoreMachine.TestCase
