@@ -294,6 +294,18 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert metrics(server)["pagedllm_kv_cache_usage_ratio"] == 0
 
 
+def test_disconnect_non_streaming_aborts(server):
+    body = {"model": "smol", "prompt": "List every prime number:", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    deadline = time.monotonic() + 5
+    while metrics(server)["pagedllm_num_requests_running"] != 0:
+        assert time.monotonic() < deadline, "request of a gone client still running"
+        time.sleep(0.05)
+    assert_no_leak(wait_idle(server, timeout=5))
+
+
 # --- bad input ---------------------------------------------------------------------------------------------
 def _post(server, path, content, key=API_KEY):
     headers = {"Content-Type": "application/json"}

@@ -8,6 +8,7 @@ loop hands each RequestOutput to the request's asyncio queue with `call_soon_thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -35,9 +36,11 @@ class RequestFailedError(RuntimeError):
 
 @dataclass
 class _Tracked:
-    """Loop-thread bookkeeping of one request."""
+    """Loop-thread bookkeeping of one request. It holds the stream's queue, not the stream itself, so that a
+    stream dropped by its consumer gets collected (and aborted, see RequestStream.__del__)."""
 
-    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
     arrival: float
     num_tokens: int = 0
     first_token_time: float | None = None
@@ -55,9 +58,13 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     accepted: asyncio.Future | None = None
     finished: bool = False
+    on_abandon: Callable[[str], None] | None = None
 
-    def put(self, item: RequestOutput | BaseException) -> None:  # any thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __del__(self) -> None:
+        # Safety net: a consumer that never iterated (e.g. a client gone before the response started).
+        if not self.finished and self.on_abandon is not None:
+            with contextlib.suppress(Exception):
+                self.on_abandon(self.request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -95,7 +102,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # loop thread only
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards _closed against commands posted while the loop exits
+        self._lock = threading.RLock()  # guards _closed against commands posted while the loop exits
         self._closed = False
         self._last_stats = 0.0
         self._stats: dict = {}
@@ -149,13 +156,18 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("engine is not running") from self.dead_error
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id or uuid.uuid4().hex, loop, accepted=loop.create_future())
+        stream = RequestStream(request_id or uuid.uuid4().hex, loop, accepted=loop.create_future(),
+                               on_abandon=self.abort)
         arrival = time.monotonic()
         self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival))
         try:
             await stream.accepted
         except asyncio.CancelledError:
             self.abort(stream.request_id)
+            stream.finished = True
+            raise
+        except BaseException:
+            stream.finished = True  # rejected: nothing to abort (the id may belong to another request)
             raise
         return stream
 
@@ -226,7 +238,11 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain()
                 if self.engine.has_unfinished_requests():
-                    self._step()
+                    t0 = time.perf_counter()
+                    if not self._step() and time.perf_counter() - t0 < 1e-3:
+                        # nothing could be scheduled: do not spin, wait a little for an add or abort
+                        self._wakeup.wait(0.005)
+                        self._wakeup.clear()
                     self._refresh_stats(force=False)
                 else:
                     self._refresh_stats(force=True)
@@ -246,14 +262,15 @@ class AsyncEngine:
                 err.__cause__ = self.dead_error
             self._fail_all(err)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when it produced no output."""
         try:
             outputs = self.engine.step()
         except Exception as e:
             # We cannot tell which request broke the step: fail those in flight, keep the engine serving.
             logger.exception("engine step failed; aborting %d in-flight requests", len(self._tracked))
             self._fail_all(RequestFailedError(f"engine step failed: {type(e).__name__}: {e}"))
-            return
+            return True
         now = time.monotonic()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
@@ -264,13 +281,14 @@ class AsyncEngine:
                 continue
             try:
                 self._record(tracked, out, now)
-                tracked.stream.put(_snapshot(out))
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, _snapshot(out))
             except Exception as e:  # only this request fails
                 logger.exception("processing output of %s failed", out.request_id)
                 self._fail(out.request_id, RequestFailedError(f"{type(e).__name__}: {e}"))
                 continue
             if out.finished:
                 del self._tracked[out.request_id]
+        return bool(outputs)
 
     def _record(self, t: _Tracked, out: RequestOutput, now: float) -> None:
         m = self.metrics
@@ -300,7 +318,7 @@ class AsyncEngine:
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
             return
-        self._tracked[rid] = _Tracked(stream, arrival)
+        self._tracked[rid] = _Tracked(stream.loop, stream.queue, arrival)
         stream.loop.call_soon_threadsafe(_set_result, stream.accepted, None)
 
     def _do_abort(self, request_id: str) -> None:
@@ -315,7 +333,7 @@ class AsyncEngine:
         except Exception:
             logger.exception("abort of %s failed", request_id)
         if tracked is not None:
-            tracked.stream.put(error)
+            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._tracked):

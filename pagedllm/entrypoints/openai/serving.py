@@ -84,8 +84,9 @@ async def consume(engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[R
 
 async def final_output(engine: AsyncEngine, stream: RequestStream) -> RequestOutput:
     last = None
-    async for out in consume(engine, stream):
-        last = out
+    async with contextlib.aclosing(consume(engine, stream)) as outs:
+        async for out in outs:
+            last = out
     assert last is not None and last.finished
     return last
 
@@ -103,15 +104,17 @@ async def merge_streams(engine: AsyncEngine,
                         streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as (prompt index, output), in arrival order."""
     if len(streams) == 1:
-        async for out in consume(engine, streams[0]):
-            yield 0, out
+        async with contextlib.aclosing(consume(engine, streams[0])) as outs:
+            async for out in outs:
+                yield 0, out
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
         try:
-            async for out in consume(engine, s):
-                q.put_nowait((i, out))
+            async with contextlib.aclosing(consume(engine, s)) as outs:
+                async for out in outs:
+                    q.put_nowait((i, out))
         except Exception as e:
             q.put_nowait((i, e))
         finally:
