@@ -1,0 +1,47 @@
+"""The CLI: generate prints outputs and a summary; chat streams and keeps the conversation."""
+
+from __future__ import annotations
+
+import io
+
+from test_engine import make_llm
+from tiny_models import make_tiny_model
+
+from pagedllm.cli import main
+from pagedllm.engine.chat_session import run_chat
+from pagedllm.sampling_params import SamplingParams
+
+
+def test_generate_prints_outputs_and_summary(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "m")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\nPaged attention\n", encoding="utf-8")
+    rc = main(["generate", "--model", str(model), "--file", str(prompts), "Copy on write", "--dtype", "float32",
+               "--max-tokens", "8", "--ignore-eos", "--num-kv-blocks", "64", "--block-size", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for p in ("The quick brown fox", "Paged attention", "Copy on write"):
+        assert f"### Prompt: {p!r}" in out
+    assert out.count("(8 tokens, finish_reason=length)") == 3
+    assert "output tok/s" in out and "KV blocks:" in out and "preemptions 0" in out
+
+
+def test_chat_keeps_the_conversation(tmp_path):
+    llm = make_llm(make_tiny_model(tmp_path / "m"))
+    seen: list[list[dict]] = []
+    original = llm.engine.apply_chat_template
+
+    def spy(messages):
+        seen.append([dict(m) for m in messages])
+        return original(messages)
+
+    llm.engine.apply_chat_template = spy
+    stdin = io.StringIO("Hello there\nAnd again\n\n")
+    out = io.StringIO()
+    assert run_chat(llm.engine, SamplingParams(temperature=0, max_tokens=6), system="Be brief", stdin=stdin,
+                    out=out) == 0
+    assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]
+    assert seen[1][1]["content"] == "Hello there" and seen[1][3]["content"] == "And again"
+    assert seen[1][2]["content"] in out.getvalue()  # the first reply was streamed to the terminal
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
