@@ -338,8 +338,13 @@ def test_bad_inputs(server, client, prompts, oracle):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smol", prompt="word " * (MAX_MODEL_LEN + 10), max_tokens=4)
     assert "max_model_len" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN}])
+    assert e.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smol", prompt=[10**9, 5], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smol", prompt="hi", logit_bias={"5": 3.0})
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"

@@ -199,12 +199,22 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # accepted and ignored: hints and bookkeeping that do not change what is generated
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
+        if self.tools or self.functions:
             raise ValueError("tools is not supported")
+        if self.modalities and set(self.modalities) != {"text"}:
+            raise ValueError("modalities: only 'text' is supported")
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError("response_format is not supported (only type 'text')")
         if self.top_logprobs is not None and not self.logprobs:

@@ -22,6 +22,7 @@ from pagedllm.sampling_params import SamplingParams
 T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -231,13 +232,9 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
 
     def check_token_ids(self, ids: list[int]) -> None:
+        # the engine checks the ids against the model's vocabulary at add time
         if not ids:
             raise OpenAIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-        vocab = len(self.engine.tokenizer)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(400, f"prompt contains token ids outside [0, {vocab}): {bad[:5]}",
-                              param="prompt", code="invalid_value")
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
                      cache_salt: str | None, known_params: set[str]) -> list[RequestStream]:
@@ -251,7 +248,10 @@ class OpenAIServing:
             for s in streams:
                 self.engine.abort(s.request_id)
             if isinstance(e, ValueError):
-                raise bad_request(e, known_params) from e
+                err = bad_request(e, known_params | {"prompt"})
+                if err.param == "prompt" and "messages" in known_params:
+                    err.param = "messages"  # chat: the prompt is the templated conversation
+                raise err from e
             if isinstance(e, EngineDeadError):
                 raise engine_error(e) from e
             raise

@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE,
+    SSE_HEADERS,
     ClientDisconnected,
     DeltaTracker,
     LogprobFormatter,
@@ -78,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             body = self._stream(req, params.n, rid, model, streams[0], DeltaTracker(params), fmt)
             return StreamingResponse(guarded(body, lambda e: engine_error(e).sse()),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             (final,) = await run_until_disconnect(raw, final_outputs(self.engine, streams))
         except ClientDisconnected:

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     SSE_DONE,
+    SSE_HEADERS,
     ClientDisconnected,
     DeltaTracker,
     LogprobFormatter,
@@ -80,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             body = self._stream(req, params, rid, model, streams, echo)
             return StreamingResponse(guarded(body, lambda e: engine_error(e).sse()),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             finals = await run_until_disconnect(raw, final_outputs(self.engine, streams))
         except ClientDisconnected:
