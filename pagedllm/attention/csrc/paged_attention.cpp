@@ -13,11 +13,12 @@
 //
 // Scores are computed in base 2: q is pre-multiplied by scale * log2(e) and exp2 replaces exp.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -579,7 +580,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   if (items.empty()) return;
 
   // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
-  const int64_t threads = std::max(1, omp_get_max_threads());
+  const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t want = min_items > 0 ? min_items : 4 * threads;
   int64_t partial_floats = 0;
   std::vector<Item> work;
@@ -616,18 +617,20 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   std::vector<float> partials(partial_floats);
   const AttendFn fn = pick(p.d, impl);
   const int64_t nwork = static_cast<int64_t>(work.size());
-  const int nthr = static_cast<int>(std::min<int64_t>(threads, nwork));
-#pragma omp parallel num_threads(nthr)
-  {
+  // torch's own OpenMP team (at::parallel_for, no num_threads clause: a second team would spin against torch's
+  // on a busy machine), one task per thread pulling items from a shared counter (dynamic balance).
+  const int64_t nthr = std::min<int64_t>(threads, nwork);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthr, 1, [&](int64_t, int64_t) {
     Scratch scratch(p.d);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < nwork; ++w) fn(p, work[order[w]], scratch, partials.data());
-  }
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < nwork;)
+      fn(p, work[order[w]], scratch, partials.data());
+  });
   if (!groups.empty()) {
-    const int64_t ng = static_cast<int64_t>(groups.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(std::min<int64_t>(threads, ng)))
-    for (int64_t g = 0; g < ng; ++g)
-      merge(p, work.data() + groups[g].first, groups[g].second - groups[g].first, partials.data());
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g)
+        merge(p, work.data() + groups[g].first, groups[g].second - groups[g].first, partials.data());
+    });
   }
 }
 
