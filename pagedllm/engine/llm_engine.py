@@ -35,14 +35,15 @@ class Sequence:
     index: int
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # only when the request asked for logprobs
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def output(self) -> CompletionOutput:
+        cumulative = self.cumulative_logprob if self.logprobs is not None else None
         return CompletionOutput(self.index, self.detokenizer.text, list(self.request.output_token_ids),
-                                self.cumulative_logprob, self.logprobs, self.finish_reason,
+                                cumulative, self.logprobs, self.finish_reason,
                                 self.stop_reason)
 
 
@@ -235,8 +236,8 @@ class LLMEngine:
         token = sampled.token_ids[j]
         req = seq.request
         req.append_output_token(token)
-        seq.cumulative_logprob += sampled.logprobs[j]
         if seq.logprobs is not None:
+            seq.cumulative_logprob += sampled.logprobs[j]
             entry = {token: Logprob(sampled.logprobs[j], sampled.ranks[j], self._decode_one(token))}
             k = state.params.logprobs or 0
             if k:

@@ -24,8 +24,10 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # log-probability of each sampled token under the model's raw distribution
-    ranks: list[int]  # rank of the sampled token (1 = most likely)
+    # log-probability and rank (1 = most likely) of each sampled token under the model's raw distribution;
+    # None when no request in the batch asked for logprobs
+    logprobs: list[float] | None
+    ranks: list[int] | None
     top_ids: list[list[int]] | None  # top-k alternatives per row (k = the largest logprobs asked for)
     top_logprobs: list[list[float]] | None
 
@@ -89,13 +91,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1)
+        # Log-probabilities of the raw model output, only when some request asked for them.
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = apply_penalties(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows])
-        temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])
         sampled = logits.argmax(-1)
         if not bool(greedy.all()):
+            temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows])
             scaled = apply_top_k_top_p_min_p(logits / temperature[:, None], rows)
             probs = scaled.softmax(-1)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p.
@@ -105,6 +109,8 @@ class Sampler:
                     noise[i].exponential_(generator=r.generator)
             drawn = (probs / noise).argmax(-1)
             sampled = torch.where(greedy, sampled, drawn)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled.tolist(), None, None, None, None)
 
         chosen = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
         ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1
