@@ -54,6 +54,16 @@ class GGUFFile:
         return self.metadata["general.architecture"]
 
 
+@dataclass
+class SkippedStrings:
+    """A string array we did not decode (the vocabulary and merges: ~100k strings we never need here)."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
 class _Cursor:
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
@@ -81,6 +91,10 @@ class _Cursor:
                 vals = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos))
                 self.pos += count * struct.calcsize(fmt)
                 return vals
+            if etype == 8 and count > 1024:
+                for _ in range(count):  # walk the lengths only
+                    self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+                return SkippedStrings(count)
             return [self.value(etype) for _ in range(count)]
         raise CorruptGGUFError(f"unknown GGUF metadata value type {vtype}")
 

@@ -103,13 +103,15 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up on the fly. Raises on missing/unknown names."""
+        """Take HF-named tensors, fusing q/k/v and gate/up at load time. Unfused tensors are adopted without a
+        copy when their dtype already matches. Raises on missing, unknown or mis-shaped weights."""
         c = self.config
         slices = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
                   "v_proj": (c.q_size + c.kv_size, c.kv_size),
                   "gate_proj": (0, c.intermediate_size), "up_proj": (c.intermediate_size, c.intermediate_size)}
         expected = self._expected_names()
         seen: set[str] = set()
+        pending: dict[int, dict[int, torch.Tensor]] = {}  # fused param -> {row offset: piece}
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy anyway
@@ -117,16 +119,21 @@ class LlamaForCausalLM(nn.Module):
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            dst = self._target(name)
+            param = self._target(name)
             leaf = name.split(".")[-2]
-            if leaf in slices:
-                off, n = slices[leaf]
-                dst = dst.narrow(0, off, n)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config "
-                                 f"({tuple(dst.shape)})")
-            dst.copy_(tensor)
+            off, rows = slices.get(leaf, (0, param.shape[0]))
+            want = (rows, *param.shape[1:])
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config ({want})")
             seen.add(name)
+            if leaf not in slices:
+                param.data = tensor.to(param.dtype).contiguous()
+                continue
+            parts = pending.setdefault(id(param), {})
+            parts[off] = tensor
+            if sum(p.shape[0] for p in parts.values()) == param.shape[0]:
+                param.data = torch.cat([parts[o] for o in sorted(parts)]).to(param.dtype)
+                del pending[id(param)]
         missing = sorted(expected - seen)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
@@ -150,25 +157,25 @@ class LlamaForCausalLM(nn.Module):
                 names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         return names
 
-    def _target(self, name: str) -> torch.Tensor:
+    def _target(self, name: str) -> nn.Parameter:
         if name == "model.embed_tokens.weight":
-            return self.embed.data
+            return self.embed
         if name == "model.norm.weight":
-            return self.norm.weight.data
+            return self.norm.weight
         if name == "lm_head.weight":
-            return self.lm_head.data
+            return self.lm_head
         parts = name.split(".")  # model.layers.{i}.{module}.{leaf}.{weight|bias}
         layer = self.layers[int(parts[2])]
         sub, leaf, kind = parts[3], parts[4], parts[-1]
         if sub == "input_layernorm":
-            return layer.input_norm.weight.data
+            return layer.input_norm.weight
         if sub == "post_attention_layernorm":
-            return layer.post_norm.weight.data
+            return layer.post_norm.weight
         if sub == "mlp":
-            return (layer.mlp.down if leaf == "down_proj" else layer.mlp.gate_up).data
+            return layer.mlp.down if leaf == "down_proj" else layer.mlp.gate_up
         attn = layer.attn
         if leaf in ("q_norm", "k_norm"):
-            return getattr(attn, leaf).weight.data
+            return getattr(attn, leaf).weight
         if leaf == "o_proj":
-            return (attn.o if kind == "weight" else attn.o_bias).data
-        return (attn.qkv if kind == "weight" else attn.qkv_bias).data
+            return attn.o if kind == "weight" else attn.o_bias
+        return attn.qkv if kind == "weight" else attn.qkv_bias
