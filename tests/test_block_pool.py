@@ -207,3 +207,14 @@ def test_hash_request_blocks_full_blocks_only_and_prefix_dependent():
     assert hash_request_blocks(a, 8, "tenant-1") != hash_request_blocks(a, 8, "tenant-2")
     # Extending a chain equals hashing from scratch.
     assert hash_request_blocks(a, 8, start_hashes=ha[:1]) == ha
+
+
+def test_blocks_benchmark_runs(capsys):
+    """`pagedllm bench blocks` stays runnable: a tiny run prints the table with every row."""
+    from pagedllm.benchmarks.blocks import main
+
+    main(["--sizes", "64,256", "--ops", "64", "--repeat", "1"])
+    out = capsys.readouterr().out
+    for row in ("pool get", "pool touch", "allocate (cache miss)", "cache hit", "free", "decode step"):
+        assert f"| {row}" in out
+    assert "256 / 64" in out
