@@ -39,7 +39,9 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[
 
 
 class ReferenceBackend:
-    """Per-request SDPA over gathered context; all single-token (decode) requests share one padded call."""
+    """Per-request SDPA over gathered context; all single-token (decode) requests share one padded call.
+    Attention math runs in float32 whatever the KV dtype (torch's bf16 SDPA on CPU is both slower and less
+    accurate); the result is cast back to q's dtype."""
 
     name = "reference"
     copy_blocks = staticmethod(copy_blocks)
@@ -47,11 +49,12 @@ class ReferenceBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=torch.float32)
+        qf = q.float()
         qlens = meta.query_lens_list
         decode = [r for r, n in enumerate(qlens) if n == 1]
         if len(decode) > 1:
-            self._decode_batch(q, k_cache, v_cache, meta, scale, decode, out)
+            self._decode_batch(qf, k_cache, v_cache, meta, scale, decode, out)
             done = set(decode)
         else:
             done = set()
@@ -60,9 +63,9 @@ class ReferenceBackend:
             if n == 0 or r in done:
                 continue
             s = starts[r]
-            out[s:s + n] = self._attend_one(q[s:s + n], k_cache, v_cache, meta.block_tables[r],
+            out[s:s + n] = self._attend_one(qf[s:s + n], k_cache, v_cache, meta.block_tables[r],
                                             meta.seq_lens_list[r], scale)
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
