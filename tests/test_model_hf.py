@@ -31,9 +31,10 @@ def _hf_config(arch: str):
         return tf.LlamaConfig(**common, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    if arch == "llama_tied":  # SmolLM2's shape: tied embeddings, 3:1 GQA
+    if arch == "llama_tied":  # SmolLM2's shape: tied embeddings, 3:1 GQA; plus linear rope scaling
         return tf.LlamaConfig(**{**common, "num_attention_heads": 6, "num_key_value_heads": 2,
-                                 "hidden_size": 48, "tie_word_embeddings": True})
+                                 "hidden_size": 48, "tie_word_embeddings": True},
+                              rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
     if arch == "qwen2":

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # HF architectures name -> our family tag. All are the same decoder with small switches.
 SUPPORTED_ARCHITECTURES = {
@@ -101,6 +104,12 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         sliding = None
     eos = _eos_list((generation_config or {}).get("eos_token_id")) or _eos_list(cfg.get("eos_token_id"))
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    if sliding and int(sliding) < max_pos:
+        # attention here is always full: it equals sliding-window attention only while contexts fit the window
+        logger.warning("sliding_window=%d is not implemented; capping the context at %d tokens to stay exact",
+                       int(sliding), int(sliding))
+        max_pos = int(sliding)
     return ModelConfig(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -110,7 +119,7 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab_size=int(cfg["vocab_size"]),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_pos,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
