@@ -162,3 +162,25 @@ def test_auto_falls_back_to_reference_when_build_fails(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernel, "load_ops", broken)
     assert get_backend("auto").name == "reference"
     assert "simulated compiler failure" in caplog.text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches(seed):
+    """Fresh random batches: decode, prefill and prefix-cached chunks mixed, random block size and GQA ratio."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    block_size = [8, 16, 32][randint(0, 2)]
+    hkv = randint(1, 4)
+    hq = hkv * [1, 2, 3, 4, 8][randint(0, 4)]
+    d = [32, 64, 128][randint(0, 2)]
+    r = randint(1, 10)
+    kind = torch.randint(0, 3, (r,), generator=gen).tolist()  # 0 decode, 1 prefill, 2 chunk over a cached prefix
+    computed = [randint(1, 300) if k != 1 else 0 for k in kind]
+    new = [1 if k == 0 else randint(1, 90) for k in kind]
+    dtype = torch.float32 if seed % 2 == 0 else torch.bfloat16
+    batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, dtype)
+    out, ref = run_both(cpu_kernel.CpuAttentionBackend(), *batch, scale=d ** -0.5)
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
