@@ -80,6 +80,11 @@ def test_tokenizer_and_chat_template(tmp_path):
     assert loaded.name == os.path.basename(str(tmp_path))
 
 
+def test_no_tokenizer_files_is_not_fatal(tmp_path):
+    _tiny_qwen2(tmp_path)
+    assert load_model(str(tmp_path), attention_backend="reference").tokenizer is None
+
+
 def test_bfloat16_weights(tmp_path):
     _tiny_qwen2(tmp_path)
     loaded = load_model(str(tmp_path), "bfloat16", attention_backend="reference", load_tokenizer=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 
@@ -10,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.model.config import ModelConfig, config_from_hf
+
+logger = logging.getLogger(__name__)
 
 
 def _read_json(path: str) -> dict:
@@ -55,7 +58,16 @@ def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_hf_tokenizer(model_dir: str):
+    """The directory's tokenizer (with its chat template), or None with a warning if it has none: token-id
+    prompts still work, text prompts will fail with a clear message at the engine."""
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files (%s): only token-id prompts will work", model_dir,
+                       ", ".join(_TOKENIZER_FILES))
+        return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
