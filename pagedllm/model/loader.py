@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -10,6 +11,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,9 +90,21 @@ def _has_gguf_magic(path: str) -> bool:
         return f.read(4) == b"GGUF"
 
 
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    """Loading is memory-bound (page faults, conversions): a second thread barely helps, and on a busy machine
+    OpenMP's spin-waiting made it 3-5x slower (measured 4 s vs 18-30 s at load average 10 on 2 cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _build(cfg: ModelConfig, dtype: torch.dtype, weights, attention_backend: str) -> LlamaForCausalLM:
     model = LlamaForCausalLM(cfg, dtype, attention_backend)
-    with torch.no_grad():
+    with torch.no_grad(), _single_threaded():
         model.load_weights(weights)
     return model.eval()
 
