@@ -184,3 +184,13 @@ def test_random_mixed_batches(seed):
     batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, dtype)
     out, ref = run_both(cpu_kernel.CpuAttentionBackend(), *batch, scale=d ** -0.5)
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
+def test_kernel_benchmark_smoke(capsys):
+    """`pagedllm bench kernel` runs end to end on a tiny shape (its own checks compare every method to SDPA)."""
+    from pagedllm.benchmarks import kernel as bench
+
+    assert bench.main(["--num-requests", "2", "--context-len", "40", "--repeats", "1", "--block-size", "8",
+                       "--bandwidth-mib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "paged kernel" in out and "SDPA causal" in out

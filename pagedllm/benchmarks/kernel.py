@@ -34,6 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention (slow first compile)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="few repeats, 8 prefill requests")
+    p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the bandwidth measurement")
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -82,7 +83,16 @@ def gather_sdpa_decode(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> None:
+    """Print the tables (and write --json); `pagedllm bench kernel` calls this."""
+    results = measure(args)
+    _print(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def measure(args: argparse.Namespace) -> dict:
     from pagedllm.attention import cpu_kernel
 
     if args.threads:
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"shape": dict(requests=r, context=ctx, hq=hq, hkv=hkv, head_dim=d, block_size=bs,
                                    dtype=args.dtype), "threads": torch.get_num_threads(),
                      "avx512": bool(ops.capabilities() & 1)}
-    results["bandwidth_gbs"] = measure_bandwidth()
+    results["bandwidth_gbs"] = measure_bandwidth(args.bandwidth_mib << 20)
 
     # ---- decode: one new query per request, the whole context cached
     meta = build_attention_metadata(tlist, [ctx - 1] * r, [1] * r, bs)
@@ -154,10 +164,6 @@ def run(args: argparse.Namespace) -> dict:
     results["prefill"] = {name: {"ms": t * 1e3, "vs_sdpa": t / pre["SDPA causal"], "gflops": flops / t / 1e9}
                           for name, t in pre.items()}
     results["prefill_requests"] = rp
-    _print(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     return results
 
 
