@@ -40,9 +40,10 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
 
 def run_both(backend, q, k, v, k_cache, v_cache, meta, scale):
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
-    # the oracle in float64 on the same (possibly bf16-rounded) values
-    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), kc_ref.double(), vc_ref.double(),
-                                     meta, scale)
+    # the oracle in float64 on the same values (new K/V rounded to the cache dtype, as the pool stores them)
+    kv = k_cache.dtype
+    ref = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), kc_ref.double(),
+                                     vc_ref.double(), meta, scale)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     # the kernel wrote exactly the same K/V as the reference
     ReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale)
@@ -194,3 +195,12 @@ def test_kernel_benchmark_smoke(capsys):
                        "--bandwidth-mib", "8"]) == 0
     out = capsys.readouterr().out
     assert "paged kernel" in out and "SDPA causal" in out
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_mixed_query_and_cache_dtypes(q_dtype, kv_dtype):
+    gen = torch.Generator().manual_seed(99)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, *MIXED, 16, 9, 3, 64, q_dtype, kv_dtype)
+    out, ref = run_both(cpu_kernel.CpuAttentionBackend(), q, k, v, k_cache, v_cache, meta, scale=0.125)
+    assert out.dtype == q_dtype
+    torch.testing.assert_close(out.double(), ref, **tol(q_dtype))
