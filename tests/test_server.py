@@ -79,20 +79,28 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def oracle(llm, prompts):
-    """Greedy outputs of the offline API, computed before the server takes over the engine."""
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+def async_engine(llm):
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def oracle(llm, async_engine, prompts):
+    """Greedy outputs of the offline API (LLM.generate), run in the engine's loop thread (the engine is only
+    ever used from one thread) before the server takes requests."""
+    outs = asyncio.run(async_engine.call(
+        lambda _: llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)))
     return [o.outputs[0].text for o in outs]
 
 
 @pytest.fixture(scope="module")
-def server(llm, oracle):
-    engine = AsyncEngine(llm.engine)
-    app = build_app(engine, api_key=API_KEY, served_model_name="smol")
+def server(async_engine, oracle):
+    app = build_app(async_engine, api_key=API_KEY, served_model_name="smol")
     with LiveServer(app) as live:
-        live.engine = engine
+        live.engine = async_engine
         yield live
-    engine.shutdown()
 
 
 @pytest.fixture
@@ -162,6 +170,21 @@ def test_completions_stream_equals_non_stream(client, prompts, oracle):
     assert len(finishes) == 1
 
 
+def test_multi_prompt_stream_and_echo(client, prompts, oracle):
+    stream = client.completions.create(model="smol", prompt=prompts[11:13], max_tokens=12, temperature=0,
+                                       stream=True)
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for ch in stream:
+        c = ch.choices[0]
+        texts[c.index] += c.text
+        if c.finish_reason:
+            finishes[c.index].append(c.finish_reason)
+    assert [texts[0], texts[1]] == oracle[11:13]
+    assert all(len(f) == 1 for f in finishes.values())
+    resp = client.completions.create(model="smol", prompt=prompts[11], max_tokens=12, temperature=0, echo=True)
+    assert resp.choices[0].text == prompts[11] + oracle[11]
+
+
 def test_sse_wire_format(server, prompts):
     body = {"model": "smol", "prompt": prompts[4], "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
@@ -206,6 +229,16 @@ def test_n2_seed_reproducible(client, prompts):
     chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompts[5]}],
                                           max_tokens=8, n=2, seed=7, temperature=1.0)
     assert sorted(c.index for c in chat.choices) == [0, 1]
+    stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompts[5]}],
+                                            max_tokens=8, n=2, seed=7, temperature=1.0, stream=True)
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for ch in stream:
+        c = ch.choices[0]
+        texts[c.index] += c.delta.content or ""
+        if c.finish_reason:
+            finishes[c.index].append(c.finish_reason)
+    assert texts == {c.index: c.message.content for c in chat.choices}  # same seed, same samples
+    assert all(len(f) == 1 for f in finishes.values())
 
 
 def test_stop_string(client, prompts, oracle):
