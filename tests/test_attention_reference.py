@@ -127,6 +127,22 @@ def test_copy_blocks():
         assert torch.equal(k[untouched], k0[untouched]) and torch.equal(v[untouched], v0[untouched])
 
 
+def test_copy_blocks_on_one_pool():
+    from pagedllm.model import ModelConfig, allocate_kv_caches
+
+    cfg = ModelConfig(architecture="llama", num_layers=3, hidden_size=16, intermediate_size=32, num_heads=2,
+                      num_kv_heads=2, head_dim=8, vocab_size=10, max_position_embeddings=64)
+    caches = allocate_kv_caches(cfg, 4, torch.float32, num_blocks=10)
+    torch.manual_seed(1)
+    caches.pool.copy_(torch.randn(caches.pool.shape))
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    copy_blocks(caches, [(3, 4), (4, 8)])  # 4 is both a destination and a source: sources are read first
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k[4], k0[3]) and torch.equal(v[4], v0[3])
+        assert torch.equal(k[8], k0[4]) and torch.equal(v[8], v0[4])
+        assert torch.equal(k[:4], k0[:4]) and torch.equal(v[9], v0[9])
+
+
 def test_get_backend():
     assert get_backend("reference").name == "reference"
     assert hasattr(get_backend("auto"), "forward")

@@ -28,11 +28,16 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
-    """Copy-on-write: copy block src -> dst for every pair, in every layer (one indexed copy per tensor)."""
+    """Copy-on-write: copy block src -> dst for every pair, in every layer. One indexed copy over the whole pool
+    when the caches are views of one [L, 2, N, B, H, D] tensor (allocate_kv_caches), else one per tensor."""
     if not pairs:
         return
     src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    pool = getattr(kv_caches, "pool", None)
+    if pool is not None:
+        pool.index_copy_(2, dst, pool.index_select(2, src))
+        return
     for k_cache, v_cache in kv_caches:
         k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
         v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

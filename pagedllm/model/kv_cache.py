@@ -13,6 +13,14 @@ logger = logging.getLogger(__name__)
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class KVCacheList(list):
+    """The per-layer (k_cache, v_cache) pairs, remembering the single pool tensor
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] they are views of, so that block copies can
+    touch every layer in one indexed copy."""
+
+    pool: torch.Tensor
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """2 (K and V) x layers x block_size x kv_heads x head_dim x element size."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -28,7 +36,7 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 
 
 def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
-                       num_blocks: int | None = None, budget_bytes: int | None = None) -> list[KVCache]:
+                       num_blocks: int | None = None, budget_bytes: int | None = None) -> KVCacheList:
     """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 
     All pools are views of one allocation. Zero-filled: padded reads of never-written slots must be finite
@@ -44,4 +52,6 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     total = num_blocks * kv_bytes_per_block(cfg, block_size, dtype)
     logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%.1f MiB, %s)",
                 num_blocks, block_size, num_blocks * block_size, total / 2**20, str(dtype).replace("torch.", ""))
-    return [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers)]
+    caches = KVCacheList((pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers))
+    caches.pool = pool
+    return caches
