@@ -215,3 +215,66 @@ def test_token_id_check(tmp_path):
     for bad in ([V], [-1], [3, 10**9]):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             loaded.check_token_ids(bad)
+
+
+def test_hf_llama3_converted_like_llama_cpp(tmp_path):
+    """An HF Llama with llama3 rope scaling, written to GGUF the way llama.cpp's converter does (Q/K permuted,
+    scaling as a rope_freqs tensor): our GGUF load gives the HF model's own logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=512, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, rope_parameters={
+                          "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    torch.manual_seed(3)
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+    base = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    assert not torch.allclose(scaled, base)
+
+    path = str(tmp_path / "llama3.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2)
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    for name, t in hf.state_dict().items():
+        arr = t.numpy().astype(np.float32)
+        if name in names:
+            w.add_tensor(names[name], arr)
+            continue
+        i, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+        if rest.endswith("q_proj.weight"):
+            arr = _permute(arr, 4)
+        elif rest.endswith("k_proj.weight"):
+            arr = _permute(arr, 2)
+        w.add_tensor(f"blk.{i}.{layer[rest]}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
+    assert ours.config.rope_scaling["rope_type"] == "freq_factors"
+    tokens = np.random.default_rng(4).integers(0, V, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (_paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
