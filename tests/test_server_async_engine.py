@@ -216,7 +216,7 @@ def test_idle_loop_does_not_spin():
     try:
         t0 = time.process_time()  # CPU time of all our threads
         time.sleep(0.5)
-        assert time.process_time() - t0 < 0.1  # the loop thread sleeps on its event while idle
+        assert time.process_time() - t0 < 0.25  # a spinning loop would burn ~0.5 s here
         assert eng.is_running
     finally:
         eng.shutdown()
