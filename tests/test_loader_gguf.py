@@ -164,6 +164,15 @@ def test_dequant_matches_gguf_package():
         np.testing.assert_array_equal(got, ref)
 
 
+def test_directory_with_one_gguf(tmp_path):
+    write_gguf(str(tmp_path / "m.gguf"), "qwen2", TYPE_SETS["q32"])
+    loaded = load_model(str(tmp_path), attention_backend="reference", load_tokenizer=False)
+    assert loaded.name == "m.gguf"
+    write_gguf(str(tmp_path / "n.gguf"), "qwen2", TYPE_SETS["q32"])
+    with pytest.raises(ValueError, match="several"):
+        load_model(str(tmp_path), load_tokenizer=False)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(str(tmp_path / "nope.gguf"))

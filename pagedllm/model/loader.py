@@ -74,6 +74,12 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path does not exist: {path} (give a Hugging Face directory with "
                                 f"config.json + *.safetensors, or a .gguf file)")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:  # a directory holding just one GGUF file: load that
+            path = ggufs[0]
+        elif ggufs:
+            raise ValueError(f"{path} holds several .gguf files; pass one of them: {[os.path.basename(g) for g in ggufs]}")
     if os.path.isdir(path):
         loaded = _load_hf(path, dtype, attention_backend, load_tokenizer)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
