@@ -361,10 +361,11 @@ def test_bad_inputs(server, client, prompts, oracle):
     assert err["param"] == "temperature"
     _error(_post(server, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": [3]})), 422)
     _error(_post(server, "/v1/completions", json.dumps({"prompt": "hi", "frobnicate": 1})), 422)
+    _error(_post(server, "/v1/completions", json.dumps({"prompt": "hi", "seed": 2**64})), 422)
     _error(_post(server, "/v1/completions", json.dumps({"max_tokens": 3})), 422)  # no prompt
     _error(_post(server, "/v1/chat/completions", json.dumps({"messages": []})), 422)
     for field, value in [("temperature", -1), ("top_p", 2.0), ("n", 0), ("max_tokens", 0), ("top_k", -5),
-                         ("presence_penalty", 3), ("logprobs", 50), ("min_p", 1.5)]:
+                         ("presence_penalty", 3), ("logprobs", 50), ("min_p", 1.5), ("n", 129)]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="smol", prompt="hi", extra_body={field: value})
         assert e.value.body["param"] == field, (field, e.value.body)

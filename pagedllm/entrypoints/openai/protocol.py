@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
 
+MAX_N = 128  # as OpenAI: each sample holds its own blocks once it diverges
+
 
 class OpenAIModel(BaseModel):
     # Unknown request fields are an error (as with OpenAI), so that typos do not pass silently.
@@ -65,7 +67,7 @@ class _SamplingFields(OpenAIModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
@@ -85,6 +87,8 @@ class _SamplingFields(OpenAIModel):
         """Raises ValueError naming the parameter when a value is out of range."""
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
