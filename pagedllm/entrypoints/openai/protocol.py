@@ -45,7 +45,6 @@ class ModelList(BaseModel):
 # --- shared pieces -------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class PromptTokensDetails(BaseModel):
