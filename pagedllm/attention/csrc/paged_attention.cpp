@@ -9,7 +9,8 @@
 //   * "lanes" path (>= 16 query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
 //     the row max / rescale of the online softmax are plain vertical vector ops.
 // Both need AVX-512 (compiled with -mavx512* when the CPU has it, see cpu_kernel.py); the portable path is plain
-// C++ and is used when the build lacks AVX-512, for head dims that are not a multiple of 16, or on request.
+// C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
+// AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16 (K/V widening needs no special ISA).
 //
 // Scores are computed in base 2: q is pre-multiplied by scale * log2(e) and exp2 replaces exp.
 
@@ -28,8 +29,10 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) || defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PA_AVX512 1
 #else
 #define PA_AVX512 0
@@ -152,7 +155,15 @@ void finish(const Problem& p, const Item& it, const float* acc, const float* m, 
     const float* a = acc + i * p.d;
     if (p.q_bf16) {
       uint16_t* o = static_cast<uint16_t*>(p.out) + off;
-      for (int64_t e = 0; e < p.d; ++e) o[e] = f32_to_bf16(a[e] * inv);
+      int64_t e = 0;
+#if defined(__AVX512BF16__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; e + 16 <= p.d; e += 16) {
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + e), vinv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + e), reinterpret_cast<const __m256i&>(h));
+      }
+#endif
+      for (; e < p.d; ++e) o[e] = f32_to_bf16(a[e] * inv);
     } else {
       float* o = static_cast<float*>(p.out) + off;
       for (int64_t e = 0; e < p.d; ++e) o[e] = a[e] * inv;
