@@ -81,7 +81,7 @@ def test_reference_backend_vs_dense_sdpa(dtype, tol, hq, hkv, seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, nblocks, d = 4, 200, 16
-    tables, computed, new = _random_batch(rng, nblocks, bs, nreq=7, min_decodes=2)
+    tables, computed, new = _random_batch(rng, nblocks, bs, nreq=9, min_decodes=3)
     tables.insert(3, [])  # a request with nothing to compute this step
     computed.insert(3, 0)
     new.insert(3, 0)
@@ -99,7 +99,9 @@ def test_reference_backend_vs_dense_sdpa(dtype, tol, hq, hkv, seed):
     k = torch.cat([fk[c:] for fk, c in zip(full_k, computed, strict=True)])
     v = torch.cat([fv[c:] for fv, c in zip(full_v, computed, strict=True)])
     scale = d ** -0.5
-    out = get_backend("reference").forward(q, k, v, k_cache, v_cache, meta, scale)
+    backend = get_backend("reference")
+    backend.decode_group = 2  # several padded decode groups
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     assert out.shape == q.shape and out.dtype == dtype
     # new K/V landed in their slots
     assert torch.equal(k_cache.view(-1, hkv, d)[meta.slot_mapping], k)

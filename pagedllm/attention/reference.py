@@ -50,6 +50,7 @@ class ReferenceBackend:
 
     name = "reference"
     copy_blocks = staticmethod(copy_blocks)
+    decode_group = 32  # decode requests attended per padded SDPA call
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -57,12 +58,13 @@ class ReferenceBackend:
         out = torch.empty(q.shape, dtype=torch.float32)
         qf = q.float()
         qlens = meta.query_lens_list
-        decode = [r for r, n in enumerate(qlens) if n == 1]
+        # single-token requests, by context length, in groups: little padding and a bounded gathered copy
+        decode = sorted((r for r, n in enumerate(qlens) if n == 1), key=lambda r: meta.seq_lens_list[r])
+        done: set[int] = set()
         if len(decode) > 1:
-            self._decode_batch(qf, k_cache, v_cache, meta, scale, decode, out)
+            for i in range(0, len(decode), self.decode_group):
+                self._decode_batch(qf, k_cache, v_cache, meta, scale, decode[i:i + self.decode_group], out)
             done = set(decode)
-        else:
-            done = set()
         starts = meta.query_start_loc.tolist()
         for r, n in enumerate(qlens):
             if n == 0 or r in done:
