@@ -59,7 +59,7 @@ class Greedy:
 
     def __init__(self, loaded, num_blocks: int = 256):
         self.m = loaded.model
-        self.kv = allocate_kv_caches(loaded.config, BS, torch.float32, num_blocks=num_blocks)
+        self.kv = allocate_kv_caches(loaded.config, BS, loaded.dtype, num_blocks=num_blocks)
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)
 
@@ -154,3 +154,13 @@ def test_tokenizer_cache_reused(ours, cache_dir, caplog):
     assert (again.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             == ours.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     assert again.model.embed.dtype == torch.bfloat16
+    # and the bfloat16 model answers sensibly too (its KV pool in bfloat16)
+    seq = {"tokens": _chat_ids(again.tokenizer, PROMPTS[0]), "table": [], "done": 0}
+    runner = Greedy(again, num_blocks=16)
+    count, out = len(seq["tokens"]), []
+    while len(out) < 24 and (not out or out[-1] != 2):
+        logits, _ = runner.step([seq], [count])
+        out.append(int(logits[0].argmax()))
+        seq["tokens"].append(out[-1])
+        count = 1
+    assert "Paris" in again.tokenizer.decode(out)
