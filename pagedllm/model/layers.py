@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def frozen_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
-        self.weight = _param(dim, dtype=dtype)
+        self.weight = frozen_param(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -75,8 +75,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up = _param(2 * intermediate, hidden, dtype=dtype)
-        self.down = _param(hidden, intermediate, dtype=dtype)
+        self.gate_up = frozen_param(2 * intermediate, hidden, dtype=dtype)
+        self.down = frozen_param(hidden, intermediate, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = F.linear(x, self.gate_up)

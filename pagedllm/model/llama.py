@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _param, apply_rope
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, frozen_param
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -23,10 +23,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        self.qkv = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dtype)  # fused q|k|v
-        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.qkv_bias else None
-        self.o = _param(cfg.hidden_size, cfg.q_size, dtype=dtype)
-        self.o_bias = _param(cfg.hidden_size, dtype=dtype) if cfg.o_bias else None
+        self.qkv = frozen_param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, dtype=dtype)  # fused q|k|v
+        self.qkv_bias = frozen_param(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.o = frozen_param(cfg.hidden_size, cfg.q_size, dtype=dtype)
+        self.o_bias = frozen_param(cfg.hidden_size, dtype=dtype) if cfg.o_bias else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
@@ -67,10 +67,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed = frozen_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else frozen_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.set_attention_backend(attention_backend)
 
