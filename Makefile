@@ -21,8 +21,34 @@ test: install
 	$(VENV)/bin/ruff check pagedllm tests
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q
 
-bench-setup: install
+# Benchmark peers (never dependencies of the core package): matplotlib, llama-cpp-python built from source with
+# its server extra, and llama-server built from the llama.cpp sources vendored in that same sdist (one llama.cpp
+# version for both). Measured on the 2-core dev box while it was busy: llama-cpp-python ~35 min, llama-server
+# ~30 min (both compile ggml; -march=native binds them to this CPU).
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
+BENCH_BUILD := $(VENV)/bench-build
+LLAMA_SRC := $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp
+JOBS ?= 2
+
+bench-setup: install $(VENV)/bin/llama-server
 	$(PIP) install -q -e ".[bench]"
+
+$(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz:
+	mkdir -p $(BENCH_BUILD)
+	$(PIP) download -q --no-deps --no-binary :all: -d $(BENCH_BUILD) "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)"
+
+$(VENV)/.llama-cpp-python: $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+		$(PIP) install -q --no-binary llama-cpp-python "$<[server]"
+	touch $@
+
+$(VENV)/bin/llama-server: $(VENV)/.llama-cpp-python
+	tar -xzf $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(BENCH_BUILD)
+	cmake -S $(LLAMA_SRC) -B $(BENCH_BUILD)/llama-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
+	cmake --build $(BENCH_BUILD)/llama-server --target llama-server -j $(JOBS)
+	cp $(BENCH_BUILD)/llama-server/bin/llama-server $@
 
 lint: install
 	$(VENV)/bin/ruff check pagedllm tests

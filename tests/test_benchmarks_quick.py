@@ -1,0 +1,67 @@
+"""Smoke test of the benchmark harness: tiny in-process runs of the memory, beam and throughput benches (the
+peers never run here). Checks the measurements against what the configuration implies, not just that files
+appear: the contiguous layout admits exactly budget / max_model_len requests, paged admits more and wastes less,
+shared beams use fewer blocks than unshared copies, every system generates exactly the requested tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from pagedllm.benchmarks import beam, common, memory, throughput
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def test_benchmarks_quick(tmp_path):
+    seed = int.from_bytes(os.urandom(2), "little")  # fresh inputs every run
+    common.set_threads(2)
+    wl = common.offline_workload(5, prompt_len=(20, 60), output_len=(3, 6), seed=seed)
+    normal = set(common.normal_token_ids().tolist())
+    assert all(20 <= len(p) <= 60 and set(p) <= normal for p in wl.prompts)
+    assert all(3 <= n <= 6 for n in wl.output_lens)
+    assert common.offline_workload(5, prompt_len=(20, 60), output_len=(3, 6), seed=seed).prompts == wl.prompts
+
+    # memory: a 256-slot budget holds exactly 2 contiguous reservations of max_model_len 128
+    args = argparse.Namespace(model=None, dtype="float32", seed=seed, kv_budget_tokens=256, max_model_len=128,
+                              max_num_seqs=8)
+    paged = memory.run_config(wl, args, "paged", 16)
+    contig = memory.run_config(wl, args, "contiguous", 16)
+    for r in (paged, contig):
+        assert r["output_tokens"] == wl.num_output_tokens
+        assert 0 < r["mean_util"] <= 1 and r["steps"] == len(r["trace"]["t"])
+    assert contig["peak_running"] == 2
+    assert paged["peak_running"] > contig["peak_running"]
+    assert contig["mean_util"] <= (60 + 6) / 128 + 1e-9  # at most a full request's tokens in its 128 slots
+    assert paged["waste_pct"] < contig["waste_pct"]
+
+    # beam: W shared beams / samples hold fewer blocks than W unshared copies; JSON and PNG are written
+    ns = argparse.Namespace(model=None, dtype="float32", seed=seed, threads=2, quick=True, num_prompts=2,
+                            widths="1,3", output_len=4, prompt_len=(20, 60), block_size=16, out_dir=str(tmp_path),
+                            tag="")
+    res = beam.measure(ns)
+    w1, w3 = res["results"]
+    assert w1["beam_blocks"] == w1["unshared_blocks"] == w1["n_blocks"]
+    assert w3["beam_blocks"] < w3["unshared_blocks"] and w3["n_blocks"] < w3["unshared_blocks"]
+    assert json.loads((tmp_path / "beam.json").read_text())["results"][1]["width"] == 3
+    assert (tmp_path / "beam.png").stat().st_size > 1000
+
+    # throughput, pagedllm only, in this process: table, ratios and files
+    p = argparse.ArgumentParser()
+    throughput.add_args(p)
+    targs = p.parse_args(["--quick", "--in-process", "--systems", "pagedllm:float32", "--num-requests", "2",
+                          "--dtype", "float32", "--seed", str(seed), "--out-dir", str(tmp_path),
+                          "--prompt-len", "20,60", "--output-len", "3,6"])
+    out = throughput.measure(targs)
+    (row,) = out["results"]
+    assert row["output_tokens"] == out["workload"]["output_tokens"] and row["out_tok_per_s"] > 0
+    assert (tmp_path / "throughput.json").exists() and (tmp_path / "throughput.png").exists()
