@@ -19,7 +19,7 @@ run: install
 
 test: install
 	$(VENV)/bin/ruff check pagedllm tests
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q
+	OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q --durations=15
 
 # Benchmark peers (never dependencies of the core package): matplotlib, llama-cpp-python built from source with
 # its server extra, and llama-server built from the llama.cpp sources vendored in that same sdist (one llama.cpp

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.loader import default_model_path
 
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
              "Write one sentence about the sea.", "What is 12 plus 7?", "Say hello in Spanish."]
@@ -18,14 +17,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+def hf_model(hf_smollm2):
+    return hf_smollm2
 
 
 def test_batched_chat_greedy_matches_transformers(llm, hf_model):

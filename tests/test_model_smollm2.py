@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pagedllm.attention import build_attention_metadata  # noqa: E402
-from pagedllm.model import allocate_kv_caches, default_model_path, load_model  # noqa: E402
+from pagedllm.model import allocate_kv_caches, load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +45,8 @@ def ours(cache_dir):
 
 
 @pytest.fixture(scope="module")
-def hf():
-    """transformers' own GGUF path (~35 s to convert): loaded once for the module."""
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+def hf(hf_smollm2):
+    return hf_smollm2
 
 
 class Greedy:
