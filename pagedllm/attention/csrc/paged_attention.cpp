@@ -44,6 +44,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kChunk = 16;     // keys per online-softmax step
 constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
+constexpr int64_t kMinWorkPerThread = 1 << 14;  // (key x row) pairs, ~100 us: below this one thread is faster
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -590,9 +591,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
   if (items.empty()) return;
 
+  // Small batches run on the calling thread: waking a second thread costs microseconds on a quiet machine and
+  // milliseconds on a busy one. Work is counted in (key x query row) pairs, ~5-10 ns each.
+  int64_t total = 0;
+  for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * (it.t1 - it.t0) * p.group;
+  const int64_t threads = std::clamp<int64_t>(total / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
   // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t want = min_items > 0 ? min_items : 4 * threads;
+  const int64_t want = min_items > 0 ? min_items : (threads > 1 ? 4 * threads : 1);
   int64_t partial_floats = 0;
   std::vector<Item> work;
   std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in work of items that need a merge
