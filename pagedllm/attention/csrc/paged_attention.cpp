@@ -44,7 +44,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kChunk = 16;     // keys per online-softmax step
 constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
-constexpr int64_t kMinWorkPerThread = 1 << 14;  // (key x row) pairs, ~100 us: below this one thread is faster
+constexpr int64_t kMinWorkPerThread = 1 << 13;  // (key x row) pairs, ~60 us of one thread
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
