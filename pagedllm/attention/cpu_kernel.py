@@ -6,8 +6,9 @@ tile) with OpenMP and long contexts split across threads and merged.
 
 Build: torch.utils.cpp_extension.load with ninja, -O3 -fopenmp. When the CPU has AVX-512 (F/BW/DQ/VL) the
 AVX-512 variant is compiled with explicit -mavx512* flags (plus -mavx512bf16 where present); otherwise the portable
-code only, with -mavx2 -mfma where the CPU has them and no ISA flags at all if not. Never -march=native, so a cached build is only reused on a CPU with the same flags: the
-cache directory (per user, $PAGEDLLM_CACHE_DIR or ~/.cache/pagedllm) is keyed by the source hash and the variant.
+code only, with -mavx2 -mfma where the CPU has them and no ISA flags at all if not. Never -march=native, so
+a cached build is only reused on a CPU with the same flags: the cache directory (per user, $PAGEDLLM_CACHE_DIR
+or ~/.cache/pagedllm, else the temp dir) is keyed by the source hash and the variant.
 If the build fails, get_backend("auto") logs a warning and falls back to the reference backend.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -80,7 +82,11 @@ def load_ops():
             digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(isa).encode()).hexdigest()[:12]
             name = f"pagedllm_cpu_{variant}_{digest}"
             build_dir = cache_dir() / name
-            build_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                build_dir.mkdir(parents=True, exist_ok=True)
+            except OSError:  # read-only home (some CI runners): a per-user temp dir
+                build_dir = Path(tempfile.gettempdir()) / f"pagedllm-{os.getuid()}" / "cpu_kernel" / name
+                build_dir.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(
                 name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
                 extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=["-fopenmp"], verbose=False)
