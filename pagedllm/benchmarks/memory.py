@@ -139,12 +139,16 @@ def _plot(compare: list[dict], sweep: list[dict]):
     ax.plot(bs, [r["out_tok_per_s"] for r in sweep], "o-", color="tab:blue", label="output tok/s")
     ax.set(xscale="log", xlabel="block size (tokens)", ylabel="output tokens/s", title="paged block-size sweep")
     ax.set_xticks(bs, [str(b) for b in bs])
+    ax.minorticks_off()
     ax2 = ax.twinx()
     ax2.plot(bs, [r["waste_pct"] for r in sweep], "s--", color="tab:red", label="waste %")
     ax2.set_ylabel("waste (% of allocated slots)", color="tab:red")
-    for a in (axes[0], axes[1], ax):
-        a.legend(fontsize=8, loc="lower right" if a is axes[0] else "best")
+    for a in (axes[0], axes[1]):
+        a.legend(fontsize=8, loc="center right")
         a.grid(alpha=0.3)
+    ax.grid(alpha=0.3)
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center right")
     return fig
 
 

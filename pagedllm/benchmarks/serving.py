@@ -43,7 +43,7 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.load_s = float("nan")
-        self.log_path = common.out_path(f"{self.name}-{self.port}", "log")
+        self.log_path = common.out_path(f"{self.name}-server", "log")
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -57,6 +57,10 @@ class _Server:
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env())
         self._wait_ready(timeout=600)
         self.load_s = time.perf_counter() - t0
+        import httpx
+
+        models = httpx.get(self.url + "/v1/models", timeout=10).json().get("data") or [{}]
+        self.extra_body = {**self.extra_body, "model": models[0].get("id", "default")}
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -206,6 +210,8 @@ async def _drive(url: str, wl: common.Workload, arrivals: list[float] | None, co
     errors = [r.error for r in recs if r.error]
     if errors:
         print(f"{len(errors)} requests failed, first: {errors[0]}", file=sys.stderr)
+        if len(errors) == len(recs):
+            raise RuntimeError(f"every request failed, first: {errors[0]}")
     return recs, elapsed
 
 

@@ -185,6 +185,7 @@ def _plot(results: list[dict]):
     ax1.set(xscale="log", xlabel="static batch size", ylabel="output tokens/s",
             title="transformers generate: throughput vs batch size")
     ax1.set_xticks([8, 16, 32, 64], ["8", "16", "32", "64"])
+    ax1.minorticks_off()
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
     return fig
