@@ -30,6 +30,7 @@ from pagedllm.attention.reference import copy_blocks, write_kv
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [SOURCE, Path(__file__).parent / "csrc" / "small_gemm.cpp"]  # one extension, one torch.ops namespace
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 _lock = threading.Lock()
 _ops = None
@@ -79,7 +80,7 @@ def load_ops():
             from torch.utils import cpp_extension
 
             variant, isa = build_variant()
-            digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(isa).encode()).hexdigest()[:12]
+            digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(isa).encode()).hexdigest()[:12]
             name = f"pagedllm_cpu_{variant}_{digest}"
             build_dir = cache_dir() / name
             try:
@@ -88,7 +89,7 @@ def load_ops():
                 build_dir = Path(tempfile.gettempdir()) / f"pagedllm-{os.getuid()}" / "cpu_kernel" / name
                 build_dir.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(
-                name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
+                name=name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
                 extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=["-fopenmp"], verbose=False)
             _ops = torch.ops.pagedllm_cpu
             logger.info("cpu attention kernel loaded (%s, %s)", variant, build_dir)

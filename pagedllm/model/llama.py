@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, frozen_param
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, frozen_param, linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,7 +35,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         c = self.cfg
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = linear(x, self.qkv, self.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
@@ -44,7 +44,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return F.linear(out.reshape(-1, c.q_size), self.o, self.o_bias)
+        return linear(out.reshape(-1, c.q_size), self.o, self.o_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
         w = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        return linear(hidden, w).float()
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
