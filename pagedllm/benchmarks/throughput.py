@@ -22,7 +22,7 @@ from pagedllm.benchmarks import common
 
 # (system, dtype) in run order; the llama.cpp peers run the GGUF's own Q4_1 weights
 DEFAULT_SYSTEMS = ["pagedllm:bfloat16", "pagedllm:float32", "hf-static:float32", "hf-static:bfloat16",
-                   "hf-cb:float32", "llama-server"]
+                   "hf-cb:float32", "llama-server", "llama-cpp-python"]
 TARGETS = {  # DESIGN/issue 7: pagedllm output tok/s over the peer's, at least
     "llama.cpp best": 3.0, "hf-static bf16": 5.0, "hf-static fp32 (pagedllm fp32)": 2.5}
 
