@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p_min_p
+from pagedllm.worker.sampler import Sampler, SamplingRow, apply_penalties
 
 
 def row(prompt=(), output=(), seed=None, **kw) -> SamplingRow:
@@ -13,26 +14,46 @@ def row(prompt=(), output=(), seed=None, **kw) -> SamplingRow:
     return SamplingRow(SamplingParams(**kw), list(prompt), list(output), gen)
 
 
-def kept(logits: torch.Tensor) -> list[set[int]]:
-    return [set(torch.nonzero(torch.isfinite(r)).flatten().tolist()) for r in logits]
+def reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The sampling distribution by its definition: full sort, top-k, then top-p over what top-k kept."""
+    probs = (logits / temperature).softmax(-1)
+    if min_p > 0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+    order = probs.argsort(descending=True)
+    p = probs[order]
+    if top_k:
+        p[top_k:] = 0
+        p = p / p.sum()
+    elif min_p > 0:
+        p = p / p.sum()
+    before = p.cumsum(0) - p
+    p = torch.where(before < top_p, p, 0.0)
+    out = torch.zeros_like(probs)
+    out[order] = p / p.sum()
+    return out
 
 
-def test_top_k_top_p_min_p_masks():
-    torch.manual_seed(0)
-    logits = torch.randn(4, 50)
-    rows = [row(top_k=5), row(top_p=0.6), row(min_p=0.2), row(top_k=10, top_p=0.5)]
-    out = apply_top_k_top_p_min_p(logits.clone(), rows)
-    probs = logits.softmax(-1)
-    order = probs.argsort(-1, descending=True)
-    assert kept(out[:1])[0] == set(order[0, :5].tolist())
-    # top_p: the smallest prefix of the sorted tokens whose mass reaches p
-    cum = probs[1, order[1]].cumsum(0)
-    n = int((cum < 0.6).sum()) + 1
-    assert kept(out[1:2])[0] == set(order[1, :n].tolist())
-    assert kept(out[2:3])[0] == set(torch.nonzero(probs[2] >= 0.2 * probs[2].max()).flatten().tolist())
-    p3 = logits[3].topk(10).values.softmax(-1)
-    n3 = int((p3.cumsum(0) < 0.5).sum()) + 1
-    assert kept(out[3:4])[0] == set(order[3, :n3].tolist())
+@pytest.mark.parametrize("vocab,scale,kw", [
+    (40, 2.0, dict(top_k=5)), (40, 2.0, dict(top_p=0.6)), (40, 2.0, dict(min_p=0.2)),
+    (40, 2.0, dict(top_k=10, top_p=0.5)), (40, 2.0, dict(temperature=0.7)),
+    (3000, 0.3, dict(top_p=0.9)),  # a flat distribution: the nucleus is wider than the first candidates
+    (3000, 0.3, dict(top_k=1000, top_p=0.8, temperature=1.3)),
+])
+def test_sampling_distribution_matches_definition(vocab, scale, kw):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=g) * scale
+    draws = 6000
+    out = Sampler(seed=1)(logits.expand(draws, vocab).clone(), [row(**kw) for _ in range(draws)]).token_ids
+    freq = torch.bincount(torch.tensor(out), minlength=vocab).float() / draws
+    expected = reference_probs(logits, **kw)
+    assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(expected).flatten().tolist())
+    assert (freq - expected).abs().max() < 0.03
+    if vocab > 100:  # a wide support: compare the mass of 20 groups of tokens ranked by probability
+        order = expected.argsort(descending=True)
+        groups = torch.arange(vocab) * 20 // vocab
+        got = torch.zeros(20).index_add_(0, groups, freq[order])
+        want = torch.zeros(20).index_add_(0, groups, expected[order])
+        assert (got - want).abs().max() < 0.03
 
 
 def test_penalties_match_their_definitions():
