@@ -2,8 +2,8 @@
 
 Every step is a tensor op over the whole batch; the only per-row Python is drawing the uniform of rows
 that carry their own seed (one generator call per row, never a loop over the vocabulary). Tokens are drawn
-by inverse CDF, and top-k / top-p look at a few hundred sorted candidates instead of sorting the vocabulary,
-widening only for rows whose nucleus needs it, so the result is exact.
+by inverse CDF; top-k / top-p look at a few hundred sorted candidates instead of sorting the vocabulary,
+and a top-p nucleus wider than that is sampled exactly by rejection, still without a sort.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def _nucleus(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: 
 
     Returns (candidate ids [N, k], candidate probabilities [N, k] with dropped ones at 0, exact [N] bool).
     top-p acts on what top-k kept, renormalised (as vLLM); without top-k it acts on the full distribution,
-    and is exact only if the k candidates already hold top_p of the mass (the caller widens k for the other
-    rows). Sorting k candidates instead of the whole vocabulary is what makes this cheap.
+    and is exact only if the k candidates already hold top_p of the mass (else the caller samples that row
+    another way). Sorting k candidates instead of the whole vocabulary is what makes this cheap.
     """
     vals, ids = logits.topk(k, dim=-1)
     ranks = torch.arange(k)[None, :]
@@ -127,19 +127,42 @@ class Sampler:
         truncated = (top_k < vocab) | (top_p < 1.0)
         sampled = torch.empty(len(rows), dtype=torch.int64)
         if bool(truncated.any()):
-            rest = truncated.nonzero().squeeze(1)
-            widest_top_k = int(torch.where(top_k[rest] < vocab, top_k[rest], 0).max())
-            first = min(vocab, max(NUM_CANDIDATES, widest_top_k))
-            for k in (first, min(vocab, 16 * first), vocab):  # widen only for rows whose nucleus is wider
-                ids, probs, exact = _nucleus(logits[rest], top_k[rest], top_p[rest], k)
-                done = rest[exact]
-                sampled[done] = ids[exact].gather(1, _draw(probs[exact], uniforms[done])[:, None]).squeeze(1)
-                rest = rest[~exact]
-                if not len(rest):
-                    break
+            rows_t = truncated.nonzero().squeeze(1)
+            widest_top_k = int(torch.where(top_k[rows_t] < vocab, top_k[rows_t], 0).max())
+            ids, probs, exact = _nucleus(logits[rows_t], top_k[rows_t], top_p[rows_t],
+                                         min(vocab, max(NUM_CANDIDATES, widest_top_k)))
+            done = rows_t[exact]
+            sampled[done] = ids[exact].gather(1, _draw(probs[exact], uniforms[done])[:, None]).squeeze(1)
+            wide = rows_t[~exact]  # top-p rows whose nucleus holds more than the candidates
+            if len(wide):
+                sampled[wide] = self._sample_wide_nucleus(logits[wide], top_p[wide], uniforms[wide],
+                                                          [rows[i] for i in wide.tolist()])
         if not bool(truncated.all()):
             f = (~truncated).nonzero().squeeze(1)
             sampled[f] = _draw(logits[f].softmax(-1), uniforms[f])
+        return sampled
+
+    def _sample_wide_nucleus(self, logits: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+                             rows: list[SamplingRow]) -> torch.Tensor:
+        """Top-p without sorting: draw from the whole distribution and accept a token if the tokens more likely
+        than it hold less than top_p of the mass. Accepted draws follow the renormalised nucleus exactly; a
+        draw is rejected with probability 1 - (nucleus mass) <= 1 - top_p, so few rounds are needed."""
+        probs = logits.softmax(-1)
+        sampled = torch.empty(len(rows), dtype=torch.int64)
+        pending = torch.arange(len(rows))
+        for _ in range(64):
+            tok = _draw(probs[pending], uniforms)
+            p_tok = probs[pending].gather(1, tok[:, None])
+            above = torch.where(probs[pending] > p_tok, probs[pending], 0.0).sum(-1)
+            ok = above < top_p[pending]
+            sampled[pending[ok]] = tok[ok]
+            pending = pending[~ok]
+            if not len(pending):
+                return sampled
+            uniforms = self._uniforms([rows[i] for i in pending.tolist()])
+        ids, kept, _ = _nucleus(logits[pending], torch.full((len(pending),), logits.shape[1]), top_p[pending],
+                                logits.shape[1])  # (never in practice) sort the vocabulary
+        sampled[pending] = ids.gather(1, _draw(kept, uniforms)[:, None]).squeeze(1)
         return sampled
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
