@@ -151,9 +151,10 @@ class Sampler:
         sampled = torch.empty(len(rows), dtype=torch.int64)
         pending = torch.arange(len(rows))
         for _ in range(64):
-            tok = _draw(probs[pending], uniforms)
-            p_tok = probs[pending].gather(1, tok[:, None])
-            above = torch.where(probs[pending] > p_tok, probs[pending], 0.0).sum(-1)
+            pp = probs if len(pending) == len(rows) else probs[pending]
+            tok = _draw(pp, uniforms)
+            p_tok = pp.gather(1, tok[:, None])
+            above = torch.where(pp > p_tok, pp, 0.0).sum(-1)
             ok = above < top_p[pending]
             sampled[pending[ok]] = tok[ok]
             pending = pending[~ok]
