@@ -167,7 +167,7 @@ def test_dequant_matches_gguf_package():
 def test_directory_with_one_gguf(tmp_path):
     write_gguf(str(tmp_path / "m.gguf"), "qwen2", TYPE_SETS["q32"])
     loaded = load_model(str(tmp_path), attention_backend="reference", load_tokenizer=False)
-    assert loaded.name == "m.gguf"
+    assert loaded.name == "m"  # the id clients use: the file name without .gguf (and any quant suffix)
     write_gguf(str(tmp_path / "n.gguf"), "qwen2", TYPE_SETS["q32"])
     with pytest.raises(ValueError, match="several"):
         load_model(str(tmp_path), load_tokenizer=False)
@@ -287,3 +287,12 @@ def test_hf_llama3_converted_like_llama_cpp(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert (_paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
+
+
+def test_gguf_model_name_drops_the_quantisation():
+    from pagedllm.model.loader import gguf_model_name
+
+    assert gguf_model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert gguf_model_name("llama-3-8b.Q4_K_M.gguf") == "llama-3-8b"
+    assert gguf_model_name("tiny-f16.gguf") == "tiny"
+    assert gguf_model_name("plain.gguf") == "plain"

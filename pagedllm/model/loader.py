@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -51,6 +52,12 @@ def default_model_path() -> str:
     if not found:
         raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
     return found[0]
+
+
+def gguf_model_name(path: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct': the id clients use, without the quantisation."""
+    stem = os.path.basename(path).removesuffix(".gguf")
+    return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|BF16|F32)$", "", stem, flags=re.IGNORECASE) or stem
 
 
 def resolve_dtype(dtype: str | torch.dtype, native: torch.dtype | None = None) -> torch.dtype:
@@ -136,7 +143,7 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
     model = _build(cfg, tdtype, gguf_loader.iter_gguf_weights(f, cfg), attention_backend)
     tok = load_gguf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
-    return LoadedModel(model, cfg, tok, os.path.basename(path), cfg.eos_token_ids, tdtype, path)
+    return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path)
 
 
 def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:
