@@ -171,17 +171,19 @@ def _plot(results: list[dict]):
     vals = [r["out_tok_per_s"] for r in results]
     colors = ["tab:blue" if r["system"] == "pagedllm" else "tab:grey" for r in results]
     ax0.bar(range(len(vals)), vals, color=colors)
-    ax0.set_xticks(range(len(vals)), labels, fontsize=7)
+    ax0.set_xticks(range(len(vals)), labels, fontsize=7, rotation=30, ha="right")
     ax0.set(ylabel="output tokens/s", title="offline throughput (same workload, same threads)")
     for i, v in enumerate(vals):
         ax0.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2)
     for r in results:
+        c = next(colors)
         if r["system"] == "hf-static" and r.get("sweep"):
             bs = [s["batch_size"] for s in r["sweep"]]
-            ax1.plot(bs, [s["out_tok_per_s"] for s in r["sweep"]], "o-", label=_label(r))
+            ax1.plot(bs, [s["out_tok_per_s"] for s in r["sweep"]], "o-", color=c, label=_label(r))
         elif r["system"] != "hf-static":
-            ax1.axhline(r["out_tok_per_s"], ls="--", lw=1, label=f"{_label(r)} ({r.get('config', '')})",
-                        color="tab:blue" if r["system"] == "pagedllm" else None)
+            ax1.axhline(r["out_tok_per_s"], ls="-" if r["system"] == "pagedllm" else "--", lw=1.2, color=c,
+                        label=f"{_label(r)} ({r.get('config', '')})")
     ax1.set(xscale="log", xlabel="static batch size", ylabel="output tokens/s",
             title="transformers generate: throughput vs batch size")
     ax1.set_xticks([8, 16, 32, 64], ["8", "16", "32", "64"])
