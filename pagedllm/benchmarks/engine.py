@@ -64,6 +64,38 @@ def pagedllm_speeds(llm: LLM, prompt: list[int], repeat: int) -> tuple[float, fl
     return statistics.median(prefill), statistics.median(decode)
 
 
+def python_share(llm: LLM, batch: int, params: SamplingParams, steps: int = 20) -> tuple[float, float, int]:
+    """(decode step ms, fraction of it outside the model's forward, requests running) for `batch` requests."""
+    eng, model = llm.engine, llm.engine.runner.model
+    for i in range(batch):
+        eng.add_request(f"share-{batch}-{i}", [(i * 7919 + t) % 40000 + 100 for t in range(200)], params)
+    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
+        eng.step()
+    in_model = 0.0
+    forward, logits = model.forward, model.compute_logits
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            nonlocal in_model
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            in_model += time.perf_counter() - t
+            return out
+        return wrapper
+
+    model.forward, model.compute_logits = timed(forward), timed(logits)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        total = time.perf_counter() - t0
+        running = len(eng.scheduler.running)
+    finally:
+        model.forward, model.compute_logits = forward, logits
+        eng.abort_request([f"share-{batch}-{i}" for i in range(batch)])
+    return total / steps * 1e3, (total - in_model) / total, running
+
+
 def llama_cpp_speeds(model_path: str, prompt: list[int], repeat: int) -> tuple[float, float] | None:
     try:
         from llama_cpp import Llama
@@ -96,7 +128,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     repeat = 2 if args.quick else args.repeat
-    llm = LLM(dtype=args.dtype, kv_cache_memory="512MiB")
+    llm = LLM(dtype=args.dtype, kv_cache_memory="2GiB")
     prompt = list(range(PROMPT_LEN))
     bandwidth, matmul = measured_bandwidth(), measured_matmul_rate(llm.engine.runner.model.dtype)
     weight_bytes, flops_per_token = model_costs(llm)
@@ -117,6 +149,15 @@ def run(args: argparse.Namespace) -> None:
         print(f"{name:38} {pf:14.0f} {pf / prefill_floor:9.2f} {dc:13.1f} {dc / decode_floor:9.2f}")
     if peer:
         print(f"pagedllm / llama.cpp: prefill {prefill / peer[0]:.2f}x, decode {decode / peer[1]:.2f}x")
+    print("\nPython-side share of a decode step (everything outside the model's forward):")
+    for batch in (64, 256):
+        for label, params in (("greedy", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)),
+                              ("T=0.8 top_p=0.95", SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64,
+                                                                  ignore_eos=True))):
+            if args.quick and batch > 64:
+                continue
+            ms, share, running = python_share(llm, batch, params)
+            print(f"  {running:4d} running, {label:17}: step {ms:7.1f} ms, outside the model {share:6.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth": bandwidth, "matmul_flops": matmul, "weight_bytes": weight_bytes,
