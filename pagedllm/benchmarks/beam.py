@@ -102,9 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedllm bench beam", description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
+    return common.bench_main("beam", __doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -357,3 +357,10 @@ def llm_kwargs(args: argparse.Namespace, **overrides) -> dict:
     kw = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
     kw.update(overrides)
     return kw
+
+
+def bench_main(name: str, doc: str, add_args, run, argv: list[str] | None = None) -> int:
+    """`python -m pagedllm.benchmarks.<name>`: the same arguments as `pagedllm bench <name>`."""
+    p = argparse.ArgumentParser(prog=f"pagedllm bench {name}", description=doc.splitlines()[0])
+    add_args(p)
+    return run(p.parse_args(argv)) or 0

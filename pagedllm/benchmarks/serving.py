@@ -349,9 +349,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedllm bench serving", description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
+    return common.bench_main("serving", __doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":

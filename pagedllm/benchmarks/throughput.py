@@ -199,9 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
+    return common.bench_main("throughput", __doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":
