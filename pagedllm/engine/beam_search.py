@@ -75,8 +75,8 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
             out = sched.schedule()
             if out.is_empty:
                 raise RuntimeError("beam search cannot make progress: KV cache too small for the beams")
-            ready = engine._run(out)
-            logprobs = engine._logits.float().log_softmax(-1)
+            ready, logits = engine.run_model(out)
+            logprobs = logits.float().log_softmax(-1)
             for row, req in ready:
                 group_of[id(req)].pending[id(req)] = logprobs[row]
             for g in groups:

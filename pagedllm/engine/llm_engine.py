@@ -173,7 +173,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        ready = self._run(out)
+        ready, logits = self.run_model(out)
         touched: dict[int, RequestState] = {}
         rows: list[SamplingRow] = []
         row_seqs: list[Sequence] = []
@@ -190,7 +190,7 @@ class LLMEngine:
                 row_seqs.append(seq)
                 row_logit.append(i)
         if rows:
-            sampled = self.sampler(self._logits[row_logit], rows)
+            sampled = self.sampler(logits[row_logit], rows)
             for j, seq in enumerate(row_seqs):
                 state = self._state_of[id(seq.request)]
                 try:
@@ -208,15 +208,16 @@ class LLMEngine:
             outputs.append(state.output())
         return outputs
 
-    def _run(self, out: SchedulerOutput) -> list[tuple[int, Request]]:
-        """Run the model on the scheduled batch; return (logits row, request) for requests ready to sample."""
+    def run_model(self, out: SchedulerOutput) -> tuple[list[tuple[int, Request]], torch.Tensor]:
+        """Run the model on a scheduled batch. Returns (logits row, request) for the requests whose last token now
+        has logits, and those logits [rows, vocab]."""
         scheduled = out.scheduled
         block_tables = [self.kv.get_block_ids(s.request) for s in scheduled]
         sample_rows = [i for i, s in enumerate(scheduled)
                        if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
-        self._logits = self.runner.execute(scheduled, block_tables, out.block_copies, sample_rows)
+        logits = self.runner.execute(scheduled, block_tables, out.block_copies, sample_rows)
         self.scheduler.update_after_step(out)
-        return [(row, scheduled[i].request) for row, i in enumerate(sample_rows)]
+        return [(row, scheduled[i].request) for row, i in enumerate(sample_rows)], logits
 
     def _fork_samples(self, state: RequestState, parent: Request) -> list[Sequence]:
         """n > 1: the other samples share the prefilled prompt's blocks (copy-on-write later)."""
