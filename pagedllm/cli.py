@@ -71,12 +71,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     s = llm.kv_cache_stats()
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
-    util = s["used_slots"] / s["allocated_slots"] if s["allocated_slots"] else 0.0
     print(f"\n--- {len(outs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f}s: "
           f"{n_out / elapsed:.1f} output tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s")
     print(f"--- KV blocks: {s['num_blocks'] - s['num_free_blocks']} used / {s['num_free_blocks']} free of "
-          f"{s['num_blocks']} (block size {s['block_size']}, peak used {s['peak_used_blocks']}); slot "
-          f"utilisation {util:.1%}; prefix cache hits {s['prefix_cache_hits']}/{s['prefix_cache_queries']} "
+          f"{s['num_blocks']} (block size {s['block_size']}, peak used {s['peak_used_blocks']}); mean slot "
+          f"utilisation {s['mean_slot_utilisation']:.1%}; prefix cache hits {s['prefix_cache_hits']}/{s['prefix_cache_queries']} "
           f"tokens; preemptions {s['num_preemptions']}")
     return 0
 

@@ -24,6 +24,7 @@ def test_generate_prints_outputs_and_summary(tmp_path, capsys):
         assert f"### Prompt: {p!r}" in out
     assert out.count("(8 tokens, finish_reason=length)") == 3
     assert "output tok/s" in out and "KV blocks:" in out and "preemptions 0" in out
+    assert "mean slot utilisation 0.0%" not in out  # sampled while requests ran, not after they finished
 
 
 def test_chat_keeps_the_conversation(tmp_path):

@@ -283,3 +283,10 @@ def test_repetition_penalty_matches_transformers(tiny_dir, hf_model):
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                 repetition_penalty=1.5, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_mean_slot_utilisation_is_sampled_while_running(tiny_dir):
+    llm = make_llm(tiny_dir, enable_prefix_caching=False)
+    llm.generate(random_prompts(4, seed=17, lo=20, hi=40), GREEDY, use_tqdm=False)
+    util = llm.kv_cache_stats()["mean_slot_utilisation"]
+    assert 0.5 < util <= 1.0  # block size 8: at most 7 empty slots per request's last block

@@ -93,6 +93,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence
         self._state_of: dict[int, RequestState] = {}  # id(Request) -> RequestState
+        self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
                     time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
                     num_blocks * args.block_size)
@@ -173,6 +174,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        kv = self.kv.stats()
+        self._slot_samples[0] += kv["used_slots"]
+        self._slot_samples[1] += kv["allocated_slots"]
         ready, logits = self.run_model(out)
         touched: dict[int, RequestState] = {}
         rows: list[SamplingRow] = []
@@ -276,4 +280,6 @@ class LLMEngine:
     def kv_cache_stats(self) -> dict:
         stats = dict(self.kv.stats())
         stats["num_preemptions"] = self.scheduler.num_preemptions
+        used, allocated = self._slot_samples  # sampled at every step, after scheduling
+        stats["mean_slot_utilisation"] = used / allocated if allocated else 0.0
         return stats
