@@ -175,6 +175,11 @@ class AsyncEngine:
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; cancellation or closing aborts it."""
         stream = await self.add_request(prompt, params, request_id, cache_salt)
+        async for out in self.outputs(stream):
+            yield out
+
+    async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Iterate a request's outputs; leaving early (cancel, error, close) aborts it in the engine."""
         try:
             async for out in stream:
                 yield out

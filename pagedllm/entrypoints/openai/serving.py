@@ -73,19 +73,9 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def consume(engine: AsyncEngine, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    """Iterate a request's outputs; leaving early (cancel, error, close) aborts it in the engine."""
-    try:
-        async for out in stream:
-            yield out
-    finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
-
-
 async def final_output(engine: AsyncEngine, stream: RequestStream) -> RequestOutput:
     last = None
-    async with contextlib.aclosing(consume(engine, stream)) as outs:
+    async with contextlib.aclosing(engine.outputs(stream)) as outs:
         async for out in outs:
             last = out
     assert last is not None and last.finished
@@ -105,7 +95,7 @@ async def merge_streams(engine: AsyncEngine,
                         streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as (prompt index, output), in arrival order."""
     if len(streams) == 1:
-        async with contextlib.aclosing(consume(engine, streams[0])) as outs:
+        async with contextlib.aclosing(engine.outputs(streams[0])) as outs:
             async for out in outs:
                 yield 0, out
         return
@@ -113,7 +103,7 @@ async def merge_streams(engine: AsyncEngine,
 
     async def pump(i: int, s: RequestStream) -> None:
         try:
-            async with contextlib.aclosing(consume(engine, s)) as outs:
+            async with contextlib.aclosing(engine.outputs(s)) as outs:
                 async for out in outs:
                     q.put_nowait((i, out))
         except Exception as e:
