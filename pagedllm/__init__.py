@@ -2,10 +2,13 @@
 
 import os
 
-# OpenMP threads that spin while waiting steal the core from the thread doing the work whenever anything
-# else runs on the machine (measured on 2 cores: single-stream decode 14 tok/s spinning vs 36-45 passive).
-# Must be set before torch loads; a value the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP workers sleep after every parallel region unless they spin a while first; waking them costs tens of
+# microseconds on a VM and a decode step has ~150 regions. Spinning a short while (~0.1 ms) measured on 2 idle cores:
+# single-stream decode 84 tok/s vs 48 with OMP_WAIT_POLICY=PASSIVE, a 64-request step 65 ms vs 152. On a machine shared
+# with other busy processes spinning loses (27 vs 60 tok/s): set OMP_WAIT_POLICY=PASSIVE there. Must be set before
+# torch loads; a value the user set wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
