@@ -38,12 +38,15 @@ def reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, m
     (40, 2.0, dict(top_k=10, top_p=0.5)), (40, 2.0, dict(temperature=0.7)),
     (3000, 0.3, dict(top_p=0.9)),  # a flat distribution: the nucleus is wider than the first candidates
     (3000, 0.3, dict(top_k=1000, top_p=0.8, temperature=1.3)),
+    (3000, 0.3, dict(min_p=0.3, top_p=0.9)), (3000, 0.3, dict(top_k=2500)),
 ])
-def test_sampling_distribution_matches_definition(vocab, scale, kw):
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sorting"])
+def test_sampling_distribution_matches_definition(vocab, scale, kw, use_kernel):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(vocab, generator=g) * scale
     draws = 6000
-    out = Sampler(seed=1)(logits.expand(draws, vocab).clone(), [row(**kw) for _ in range(draws)]).token_ids
+    sampler = Sampler(seed=1, use_kernel=use_kernel)
+    out = sampler(logits.expand(draws, vocab).clone(), [row(**kw) for _ in range(draws)]).token_ids
     freq = torch.bincount(torch.tensor(out), minlength=vocab).float() / draws
     expected = reference_probs(logits, **kw)
     assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(expected).flatten().tolist())
@@ -54,6 +57,18 @@ def test_sampling_distribution_matches_definition(vocab, scale, kw):
         got = torch.zeros(20).index_add_(0, groups, freq[order])
         want = torch.zeros(20).index_add_(0, groups, expected[order])
         assert (got - want).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sorting"])
+def test_top_k_1_is_greedy_and_masked_tokens_never_drawn(use_kernel):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 5000, generator=g) * 4
+    sampler = Sampler(seed=3, use_kernel=use_kernel)
+    out = sampler(logits.clone(), [row(top_k=1, temperature=1.5) for _ in range(64)]).token_ids
+    assert out == logits.argmax(-1).tolist()
+    logits[:, ::2] = float("-inf")  # half the vocabulary impossible
+    out = sampler(logits.clone(), [row(top_p=0.999, temperature=2.0) for _ in range(64)]).token_ids
+    assert all(t % 2 == 1 for t in out)
 
 
 def test_penalties_match_their_definitions():

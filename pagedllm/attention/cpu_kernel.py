@@ -30,7 +30,7 @@ from pagedllm.attention.reference import copy_blocks, write_kv
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-SOURCES = [SOURCE, Path(__file__).parent / "csrc" / "small_gemm.cpp"]  # one extension, one torch.ops namespace
+SOURCES = [SOURCE, *(Path(__file__).parent / "csrc" / f for f in ("small_gemm.cpp", "sampler.cpp"))]  # one extension, one torch.ops namespace
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 _lock = threading.Lock()
 _ops = None

@@ -1,9 +1,10 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 Every step is a tensor op over the whole batch; the only per-row Python is drawing the uniform of rows
-that carry their own seed (one generator call per row, never a loop over the vocabulary). Tokens are drawn
-by inverse CDF; top-k / top-p look at a few hundred sorted candidates instead of sorting the vocabulary,
-and a top-p nucleus wider than that is sampled exactly by rejection, still without a sort.
+that carry their own seed (one generator call per row, never a loop over the vocabulary). Temperature and
+softmax run in torch; min-p / top-k / top-p and the draw run in the C++ sampler (csrc/sampler.cpp: a radix select
+on the probabilities instead of a sort, so a wide top-p nucleus costs the same as a narrow one), or, where it is
+not built, by sorting each row in torch.
 """
 
 from __future__ import annotations
@@ -64,107 +65,67 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-NUM_CANDIDATES = 256  # top-p first looks among this many most likely tokens (exact: see _nucleus)
-
-
-def apply_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times the most likely token's."""
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
-    if not bool((min_p > 0).any()):
-        return logits
-    probs = logits.softmax(-1)
-    return logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
-
-
-def _nucleus(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The k most likely tokens per row with what top_k / top_p keep of them.
-
-    Returns (candidate ids [N, k], candidate probabilities [N, k] with dropped ones at 0, exact [N] bool).
-    top-p acts on what top-k kept, renormalised (as vLLM); without top-k it acts on the full distribution,
-    and is exact only if the k candidates already hold top_p of the mass (else the caller samples that row
-    another way). Sorting k candidates instead of the whole vocabulary is what makes this cheap.
-    """
-    vals, ids = logits.topk(k, dim=-1)
-    ranks = torch.arange(k)[None, :]
-    vals = vals.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    full_mass = (vals - logits.logsumexp(-1, keepdim=True)).exp()  # probabilities under the whole vocabulary
-    probs = torch.where((top_k < logits.shape[1])[:, None], vals.softmax(-1), full_mass)
-    before = probs.cumsum(-1) - probs  # mass of the more likely candidates
-    keep = before < top_p[:, None]
-    keep[:, 0] = True
-    exact = (top_k <= k) | (full_mass.sum(-1) >= top_p)
-    return ids, probs * keep, exact
-
-
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row picks the token whose cumulative mass first exceeds it.
     (torch.multinomial and exponential noise cost 5-20x more over a 49k vocabulary on this CPU.)"""
     cdf = probs.cumsum(-1)
-    target = (uniforms * cdf[:, -1])[:, None]
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def sample_by_sorting(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                      uniforms: torch.Tensor) -> torch.Tensor:
+    """min-p, then top-k, then top-p over what they kept (vLLM's order), by sorting each row: the plain
+    definition, used where the C++ sampler is not built (it gives the same distribution without the sort)."""
+    probs = torch.where(probs >= min_p[:, None] * probs.amax(-1, keepdim=True), probs, 0.0)
+    p, ids = probs.sort(-1, descending=True)
+    ranks = torch.arange(p.shape[1])[None, :]
+    p = p.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), 0.0)
+    before = p.cumsum(-1) - p  # mass of the more likely tokens
+    p = torch.where(before < top_p[:, None] * p.sum(-1, keepdim=True), p, 0.0)
+    return ids.gather(1, _draw(p, uniforms)[:, None]).squeeze(1)
+
+
+_kernel_op = None  # the C++ sampler once loaded; False when it could not be built
+
+
+def _sample_from_probs():
+    global _kernel_op
+    if _kernel_op is None:
+        try:
+            from pagedllm.attention.cpu_kernel import load_ops
+
+            _kernel_op = load_ops().sample_from_probs
+        except Exception:  # no compiler: sort in torch
+            _kernel_op = False
+    return _kernel_op
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, use_kernel: bool = True) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.use_kernel = use_kernel
 
     def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
         """One uniform per row; a row with its own seed draws from its own generator only."""
-        u = torch.rand(len(rows), generator=self.generator)
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
         for i, r in enumerate(rows):
             if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator)
+                u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
         return u
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[1]
         temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-        logits = apply_min_p(logits / temperature[:, None], rows)
+        probs = (logits / temperature[:, None]).softmax(-1)
+        top_k = torch.tensor([r.params.top_k if r.params.top_k < vocab else 0 for r in rows], dtype=torch.int64)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
+        min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
         uniforms = self._uniforms(rows)
-        top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in rows])
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
-        truncated = (top_k < vocab) | (top_p < 1.0)
-        sampled = torch.empty(len(rows), dtype=torch.int64)
-        if bool(truncated.any()):
-            rows_t = truncated.nonzero().squeeze(1)
-            widest_top_k = int(torch.where(top_k[rows_t] < vocab, top_k[rows_t], 0).max())
-            ids, probs, exact = _nucleus(logits[rows_t], top_k[rows_t], top_p[rows_t],
-                                         min(vocab, max(NUM_CANDIDATES, widest_top_k)))
-            done = rows_t[exact]
-            sampled[done] = ids[exact].gather(1, _draw(probs[exact], uniforms[done])[:, None]).squeeze(1)
-            wide = rows_t[~exact]  # top-p rows whose nucleus holds more than the candidates
-            if len(wide):
-                sampled[wide] = self._sample_wide_nucleus(logits[wide], top_p[wide], uniforms[wide],
-                                                          [rows[i] for i in wide.tolist()])
-        if not bool(truncated.all()):
-            f = (~truncated).nonzero().squeeze(1)
-            sampled[f] = _draw(logits[f].softmax(-1), uniforms[f])
-        return sampled
-
-    def _sample_wide_nucleus(self, logits: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
-                             rows: list[SamplingRow]) -> torch.Tensor:
-        """Top-p without sorting: draw from the whole distribution and accept a token if the tokens more likely
-        than it hold less than top_p of the mass. Accepted draws follow the renormalised nucleus exactly; a
-        draw is rejected with probability 1 - (nucleus mass) <= 1 - top_p, so few rounds are needed."""
-        probs = logits.softmax(-1)
-        sampled = torch.empty(len(rows), dtype=torch.int64)
-        pending = torch.arange(len(rows))
-        for _ in range(64):
-            pp = probs if len(pending) == len(rows) else probs[pending]
-            tok = _draw(pp, uniforms)
-            p_tok = pp.gather(1, tok[:, None])
-            above = torch.where(pp > p_tok, pp, 0.0).sum(-1)
-            ok = above < top_p[pending]
-            sampled[pending[ok]] = tok[ok]
-            pending = pending[~ok]
-            if not len(pending):
-                return sampled
-            uniforms = self._uniforms([rows[i] for i in pending.tolist()])
-        ids, kept, _ = _nucleus(logits[pending], torch.full((len(pending),), logits.shape[1]), top_p[pending],
-                                logits.shape[1])  # (never in practice) sort the vocabulary
-        sampled[pending] = ids.gather(1, _draw(kept, uniforms)[:, None]).squeeze(1)
-        return sampled
+        kernel = self.use_kernel and _sample_from_probs()
+        if kernel:
+            return kernel(probs.contiguous(), top_k, top_p, min_p, uniforms)
+        return sample_by_sorting(probs, top_k, top_p, min_p, uniforms)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
@@ -173,10 +134,16 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = apply_penalties(logits, rows)
 
-        greedy = torch.tensor([r.params.greedy for r in rows])
-        sampled = logits.argmax(-1)
-        if not bool(greedy.all()):
-            s = (~greedy).nonzero().squeeze(1)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            sampled = logits.argmax(-1)
+        elif not any(greedy):
+            sampled = self._sample(logits, rows)
+        else:
+            g = torch.tensor(greedy)
+            sampled = torch.empty(len(rows), dtype=torch.int64)
+            sampled[g] = logits[g].argmax(-1)
+            s = (~g).nonzero().squeeze(1)
             sampled[s] = self._sample(logits[s], [rows[i] for i in s.tolist()])
         if raw_logprobs is None:
             return SamplerOutput(sampled.tolist(), None, None, None, None)

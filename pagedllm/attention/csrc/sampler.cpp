@@ -1,0 +1,185 @@
+// Sampling one token per row from probabilities with min-p, top-k and top-p, without sorting the vocabulary.
+//
+// Each filter keeps the tokens whose probability is at least some cutoff, so a row's kept set is
+// {p >= floor}: min-p's cutoff is min_p * max(p); top-k's is the k-th largest probability; top-p's (vLLM's rule:
+// keep a token while the mass of the tokens before it in descending order is below top_p, over what min-p and
+// top-k kept) is the probability at which that running mass first reaches top_p. The k-th largest value and the
+// mass crossing are found by a radix select on the float bits (non-negative floats order like their bits):
+// a 2048-bin histogram over the row picks the bin holding the crossing, then two finer histograms over that bin's
+// members pin the exact value. A token is then drawn by inverse CDF in vocabulary order over the kept set.
+// Cost per row: a handful of linear passes over the row (it stays in L2), independent of how wide the nucleus is.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline uint32_t key_of(float p) {
+  uint32_t k;
+  std::memcpy(&k, &p, sizeof k);
+  return k;
+}
+
+inline float value_of(uint32_t k) {
+  float p;
+  std::memcpy(&p, &k, sizeof p);
+  return p;
+}
+
+// Walks bins from the highest down; returns the bin where acc + bin total first reaches target (adding the
+// totals of the bins above it to acc), or the lowest non-empty bin when rounding keeps the total short of target.
+int crossing_bin(const double* hist, int bins, double target, double& acc) {
+  int lowest = -1;
+  double acc_lowest = acc;
+  for (int b = bins - 1; b >= 0; --b) {
+    if (hist[b] == 0.0) continue;
+    if (acc + hist[b] >= target) return b;
+    lowest = b;
+    acc_lowest = acc;
+    acc += hist[b];
+  }
+  acc = acc_lowest;
+  return lowest;
+}
+
+// Key of the element at which the running total (of counts, or of probabilities when by_mass) taken in
+// descending order over the elements with key >= floor first reaches target; floor if there are none.
+// The passes are branch-free: which bin an element falls in is data, not a predictable branch.
+uint32_t cutoff_key(const float* p, int64_t n, uint32_t floor, double target, bool by_mass) {
+  constexpr int kLanes = 4;  // interleaved histograms break the store-to-load chain on runs of equal bins
+  std::array<double, 2048 * kLanes> lanes{};
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t k = key_of(p[i]);
+    const double w = by_mass ? p[i] : 1.0;
+    lanes[(k >> 20) * kLanes + (i & (kLanes - 1))] += k >= floor ? w : 0.0;
+  }
+  std::array<double, 2048> hist{};
+  for (int b = 0; b < 2048; ++b)
+    for (int l = 0; l < kLanes; ++l) hist[b] += lanes[b * kLanes + l];
+  double acc = 0.0;
+  const int top = crossing_bin(hist.data(), 2048, target, acc);
+  if (top < 0) return floor;
+  thread_local std::vector<uint32_t> members;
+  members.resize(n);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t k = key_of(p[i]);
+    members[m] = k;
+    m += (k >= floor) & ((k >> 20) == static_cast<uint32_t>(top));
+  }
+  // Bits 19..9, then 8..0, of the members: after both levels every remaining member has the same key.
+  for (const auto [shift, bins] : {std::pair<int, int>{9, 2048}, std::pair<int, int>{0, 512}}) {
+    hist.fill(0.0);
+    for (int64_t j = 0; j < m; ++j) hist[(members[j] >> shift) & (bins - 1)] += by_mass ? value_of(members[j]) : 1.0;
+    const uint32_t bin = static_cast<uint32_t>(crossing_bin(hist.data(), bins, target, acc));
+    int64_t kept = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      members[kept] = members[j];
+      kept += ((members[j] >> shift) & (bins - 1)) == bin;
+    }
+    m = kept;
+  }
+  return members[0];
+}
+
+// Sum of the probabilities with key >= floor, as a masked vector reduction: a branch per element
+// mispredicts whenever kept and dropped tokens interleave, which is the usual case.
+double kept_mass(const float* p, int64_t n, uint32_t floor) {
+  const float lowest = value_of(floor);
+  int64_t i = 0;
+  double s = 0.0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512 lo = _mm512_set1_ps(lowest);
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(p + i), lo, _CMP_GE_OQ),
+                                         _mm512_loadu_ps(p + i));
+    a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+  }
+  s = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#endif
+  double lanes[8] = {};
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += p[i + l] >= lowest ? static_cast<double>(p[i + l]) : 0.0;
+  for (; i < n; ++i) s += p[i] >= lowest ? static_cast<double>(p[i]) : 0.0;
+  for (double v : lanes) s += v;
+  return s;
+}
+
+// Inverse CDF in vocabulary order over the kept tokens: block sums find the block, a scan finds the token.
+int64_t draw(const float* p, int64_t n, uint32_t floor, double target) {
+  constexpr int64_t kBlock = 512;
+  double acc = 0.0;
+  int64_t last = -1;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    const double block = kept_mass(p + start, len, floor);
+    if (block == 0.0) continue;
+    if (acc + block > target) {
+      for (int64_t i = start; i < start + len; ++i) {
+        if (key_of(p[i]) < floor || p[i] == 0.0f) continue;
+        acc += p[i];
+        last = i;
+        if (acc > target) return i;
+      }
+      return last;  // rounding: the block's sum and the scan disagree in the last bits
+    }
+    acc += block;
+    for (int64_t i = start + len - 1; i >= start; --i)
+      if (key_of(p[i]) >= floor && p[i] != 0.0f) { last = i; break; }
+  }
+  return last < 0 ? 0 : last;  // target at the very top of the CDF (rounding)
+}
+
+int64_t sample_row(const float* p, int64_t n, int64_t top_k, float top_p, float min_p, double uniform) {
+  uint32_t floor = 0;
+  if (min_p > 0.0f) {
+    float mx = 0.0f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+    floor = key_of(min_p * mx);
+  }
+  if (top_k > 0 && top_k < n) floor = std::max(floor, cutoff_key(p, n, floor, static_cast<double>(top_k), false));
+  if (top_p < 1.0f) floor = std::max(floor, cutoff_key(p, n, floor, top_p * kept_mass(p, n, floor), true));
+  return draw(p, n, floor, uniform * kept_mass(p, n, floor));
+}
+
+// probs [N, V] float32 (rows need not sum to 1), top_k int64 [N] (0 = off), top_p / min_p float32 [N],
+// uniforms float64 [N] in [0, 1) -> token ids int64 [N].
+torch::Tensor sample_from_probs(const torch::Tensor& probs, const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                const torch::Tensor& min_p, const torch::Tensor& uniforms) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.is_contiguous(),
+              "probs must be a contiguous float32 [N, V] tensor");
+  const int64_t rows = probs.size(0), n = probs.size(1);
+  TORCH_CHECK(top_k.scalar_type() == torch::kInt64 && top_p.scalar_type() == torch::kFloat32 &&
+                  min_p.scalar_type() == torch::kFloat32 && uniforms.scalar_type() == torch::kFloat64,
+              "top_k int64, top_p / min_p float32, uniforms float64");
+  TORCH_CHECK(top_k.numel() == rows && top_p.numel() == rows && min_p.numel() == rows && uniforms.numel() == rows,
+              "one top_k / top_p / min_p / uniform per row");
+  const auto top_k_c = top_k.contiguous(), top_p_c = top_p.contiguous(), min_p_c = min_p.contiguous();
+  const auto uniforms_c = uniforms.contiguous();
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* pp = probs.data_ptr<float>();
+  const int64_t* tk = top_k_c.data_ptr<int64_t>();
+  const float* tp = top_p_c.data_ptr<float>();
+  const float* mp = min_p_c.data_ptr<float>();
+  const double* u = uniforms_c.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) o[r] = sample_row(pp + r * n, n, tk[r], tp[r], mp[r], u[r]);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("sample_from_probs", &sample_from_probs); }
