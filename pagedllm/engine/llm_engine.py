@@ -194,7 +194,8 @@ class LLMEngine:
                 row_seqs.append(seq)
                 row_logit.append(i)
         if rows:
-            sampled = self.sampler(logits[row_logit], rows)
+            identity = row_logit == list(range(len(logits)))  # no forks this step: skip a [rows, vocab] copy
+            sampled = self.sampler(logits if identity else logits[row_logit], rows)
             for j, seq in enumerate(row_seqs):
                 state = self._state_of[id(seq.request)]
                 try:

@@ -96,10 +96,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V], into `out` when given."""
         w = self.embed if self.lm_head is None else self.lm_head
-        return linear(hidden, w).float()
+        if out is None:
+            return linear(hidden, w).float()
+        if hidden.dtype == torch.float32:
+            return torch.mm(hidden, w.t(), out=out)
+        return out.copy_(linear(hidden, w))
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

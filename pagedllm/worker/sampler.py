@@ -1,10 +1,9 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 Every step is a tensor op over the whole batch; the only per-row Python is drawing the uniform of rows
-that carry their own seed (one generator call per row, never a loop over the vocabulary). Temperature and
-softmax run in torch; min-p / top-k / top-p and the draw run in the C++ sampler (csrc/sampler.cpp: a radix select
-on the probabilities instead of a sort, so a wide top-p nucleus costs the same as a narrow one), or, where it is
-not built, by sorting each row in torch.
+that carry their own seed (one generator call per row, never a loop over the vocabulary). Temperature, min-p,
+top-k, top-p and the draw run in the C++ sampler (csrc/sampler.cpp: a radix select on the probabilities instead of
+a sort, so a wide top-p nucleus costs the same as a narrow one), or, where it is not built, in torch by sorting.
 """
 
 from __future__ import annotations
@@ -89,13 +88,13 @@ def sample_by_sorting(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
 _kernel_op = None  # the C++ sampler once loaded; False when it could not be built
 
 
-def _sample_from_probs():
+def _sample_from_logits():
     global _kernel_op
     if _kernel_op is None:
         try:
             from pagedllm.attention.cpu_kernel import load_ops
 
-            _kernel_op = load_ops().sample_from_probs
+            _kernel_op = load_ops().sample_from_logits
         except Exception:  # no compiler: sort in torch
             _kernel_op = False
     return _kernel_op
@@ -117,15 +116,14 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[1]
         temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-        probs = (logits / temperature[:, None]).softmax(-1)
         top_k = torch.tensor([r.params.top_k if r.params.top_k < vocab else 0 for r in rows], dtype=torch.int64)
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
         uniforms = self._uniforms(rows)
-        kernel = self.use_kernel and _sample_from_probs()
+        kernel = self.use_kernel and _sample_from_logits()
         if kernel:
-            return kernel(probs.contiguous(), top_k, top_p, min_p, uniforms)
-        return sample_by_sorting(probs, top_k, top_p, min_p, uniforms)
+            return kernel(logits.contiguous(), temperature, top_k, top_p, min_p, uniforms)
+        return sample_by_sorting((logits / temperature[:, None]).softmax(-1), top_k, top_p, min_p, uniforms)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()

@@ -1,6 +1,7 @@
-// Sampling one token per row from probabilities with min-p, top-k and top-p, without sorting the vocabulary.
+// Sampling one token per row from logits with temperature, min-p, top-k and top-p, without sorting the vocabulary.
 //
-// Each filter keeps the tokens whose probability is at least some cutoff, so a row's kept set is
+// A row's probabilities exp((logit - max) / T) go to a per-thread buffer (unnormalised: every step below works on
+// unnormalised mass). Each filter keeps the tokens whose probability is at least some cutoff, so a row's kept set is
 // {p >= floor}: min-p's cutoff is min_p * max(p); top-k's is the k-th largest probability; top-p's (vLLM's rule:
 // keep a token while the mass of the tokens before it in descending order is below top_p, over what min-p and
 // top-k kept) is the probability at which that running mass first reaches top_p. The k-th largest value and the
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -141,45 +143,79 @@ int64_t draw(const float* p, int64_t n, uint32_t floor, double target) {
   return last < 0 ? 0 : last;  // target at the very top of the CDF (rounding)
 }
 
-int64_t sample_row(const float* p, int64_t n, int64_t top_k, float top_p, float min_p, double uniform) {
-  uint32_t floor = 0;
-  if (min_p > 0.0f) {
-    float mx = 0.0f;
+#if defined(__AVX512F__)
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for the reduction), e^r by its
+// degree-6 Taylor polynomial (relative error ~1e-7), times 2^n with scalef.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in float; keeps n small
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// p[i] = exp((logits[i] - max) / temperature)
+void probabilities(const float* logits, int64_t n, float temperature, float* p) {
+  float mx = logits[0];
 #pragma omp simd reduction(max : mx)
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
-    floor = key_of(min_p * mx);
-  }
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, logits[i]);
+  const float inv_t = 1.0f / temperature;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(p + i, exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + i), vmx), vinv)));
+#endif
+  for (; i < n; ++i) p[i] = std::exp((logits[i] - mx) * inv_t);
+}
+
+int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                   double uniform) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(n);
+  float* p = buffer.data();
+  probabilities(logits, n, temperature, p);
+  uint32_t floor = 0;
+  if (min_p > 0.0f) floor = key_of(min_p);  // the most likely token has p = 1 here
   if (top_k > 0 && top_k < n) floor = std::max(floor, cutoff_key(p, n, floor, static_cast<double>(top_k), false));
   if (top_p < 1.0f) floor = std::max(floor, cutoff_key(p, n, floor, top_p * kept_mass(p, n, floor), true));
   return draw(p, n, floor, uniform * kept_mass(p, n, floor));
 }
 
-// probs [N, V] float32 (rows need not sum to 1), top_k int64 [N] (0 = off), top_p / min_p float32 [N],
+// logits [N, V] float32, temperature / top_p / min_p float32 [N], top_k int64 [N] (0 = off),
 // uniforms float64 [N] in [0, 1) -> token ids int64 [N].
-torch::Tensor sample_from_probs(const torch::Tensor& probs, const torch::Tensor& top_k, const torch::Tensor& top_p,
-                                const torch::Tensor& min_p, const torch::Tensor& uniforms) {
-  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.is_contiguous(),
-              "probs must be a contiguous float32 [N, V] tensor");
-  const int64_t rows = probs.size(0), n = probs.size(1);
-  TORCH_CHECK(top_k.scalar_type() == torch::kInt64 && top_p.scalar_type() == torch::kFloat32 &&
-                  min_p.scalar_type() == torch::kFloat32 && uniforms.scalar_type() == torch::kFloat64,
-              "top_k int64, top_p / min_p float32, uniforms float64");
-  TORCH_CHECK(top_k.numel() == rows && top_p.numel() == rows && min_p.numel() == rows && uniforms.numel() == rows,
-              "one top_k / top_p / min_p / uniform per row");
-  const auto top_k_c = top_k.contiguous(), top_p_c = top_p.contiguous(), min_p_c = min_p.contiguous();
-  const auto uniforms_c = uniforms.contiguous();
+torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                 const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& min_p,
+                                 const torch::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+              "logits must be a contiguous float32 [N, V] tensor");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0, "empty vocabulary");
+  TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && top_k.scalar_type() == torch::kInt64 &&
+                  top_p.scalar_type() == torch::kFloat32 && min_p.scalar_type() == torch::kFloat32 &&
+                  uniforms.scalar_type() == torch::kFloat64,
+              "temperature / top_p / min_p float32, top_k int64, uniforms float64");
+  for (const auto* t : {&temperature, &top_k, &top_p, &min_p, &uniforms})
+    TORCH_CHECK(t->numel() == rows, "one temperature / top_k / top_p / min_p / uniform per row");
+  const auto temperature_c = temperature.contiguous(), top_k_c = top_k.contiguous();
+  const auto top_p_c = top_p.contiguous(), min_p_c = min_p.contiguous(), uniforms_c = uniforms.contiguous();
   auto out = torch::empty({rows}, torch::kInt64);
-  const float* pp = probs.data_ptr<float>();
+  const float* lp = logits.data_ptr<float>();
+  const float* tt = temperature_c.data_ptr<float>();
   const int64_t* tk = top_k_c.data_ptr<int64_t>();
   const float* tp = top_p_c.data_ptr<float>();
   const float* mp = min_p_c.data_ptr<float>();
   const double* u = uniforms_c.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) o[r] = sample_row(pp + r * n, n, tk[r], tp[r], mp[r], u[r]);
+  for (int64_t r = 0; r < rows; ++r) o[r] = sample_row(lp + r * n, n, tt[r], tk[r], tp[r], mp[r], u[r]);
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("sample_from_probs", &sample_from_probs); }
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("sample_from_logits", &sample_from_logits); }
