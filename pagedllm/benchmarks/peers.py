@@ -52,7 +52,20 @@ def run_pagedllm(wl: common.Workload, dtype: str, model: str | None = None, **en
     _check_counts("pagedllm", got, wl.output_lens)
     stats = llm.kv_cache_stats()
     return _result("pagedllm", wl, elapsed, sum(got), dtype=dtype, config=f"block {stats['block_size']}",
-                   load_s=load_s, kv=stats)
+                   load_s=load_s, kv=stats, **_matmul_floor(llm, wl.num_prompt_tokens + sum(got), sum(got), elapsed))
+
+
+def _matmul_floor(llm, tokens: int, logit_rows: int, elapsed: float) -> dict:
+    """The run's linear-layer FLOPs over the measured matmul rate: every token through every linear once, the
+    LM head once per generated token (attention and everything else counted as free)."""
+    from pagedllm.benchmarks.engine import measured_matmul_rate, model_costs
+
+    model = llm.engine.runner.model
+    _, flops_per_token = model_costs(llm)
+    flops = tokens * flops_per_token + logit_rows * 2 * model.embed.numel()
+    rate = measured_matmul_rate(model.dtype)
+    return {"linear_flops": flops, "matmul_flops_per_s": rate, "matmul_floor_s": flops / rate,
+            "matmul_floor_x": elapsed / (flops / rate)}
 
 
 # ---- transformers ------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def measure(args: argparse.Namespace) -> dict:
     for r in results:
         r["pagedllm_x"] = ref["out_tok_per_s"] / r["out_tok_per_s"] if ref else None
     cols = ["label", "config", "req_per_s", "out_tok_per_s", "total_tok_per_s", "elapsed_s", "peak_rss_mb",
-            "pagedllm_x"]
+            "pagedllm_x", "matmul_floor_x"]  # matmul_floor_x: time / (linear FLOPs / measured matmul rate)
     print(common.table(results, cols, title=f"offline throughput: {wl.summary()['num_requests']} requests, "
                                             f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output "
                                             f"tokens, {args.threads} threads (pagedllm_x: pagedllm "

@@ -1,0 +1,94 @@
+"""torch.compile of the model's dense pointwise parts (RMSNorm, RoPE, SiLU-gate) against eager, end to end.
+
+The engine runs eager: this bench is the evidence. It measures single-stream decode, a 512-token prefill and a
+decode step with 64 running requests, first eager, then with those parts replaced by torch.compile(dynamic=True)
+versions of the same code (inductor's C++ backend fuses each into one kernel; the linears and the paged attention
+stay the engine's own kernels, opaque to the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks import common
+from pagedllm.benchmarks.engine import pagedllm_speeds, python_share
+from pagedllm.model import layers, llama
+
+
+def compiled_pointwise() -> dict:
+    """Compiled versions of the pointwise code, as (owner, attribute) -> replacement."""
+
+    @torch.compile(dynamic=True)
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    @torch.compile(dynamic=True)
+    def silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+    def swiglu(self: layers.SwiGLU, x: torch.Tensor) -> torch.Tensor:
+        return layers.linear(silu_gate(layers.linear(x, self.gate_up), self.intermediate), self.down)
+
+    return {(layers.RMSNorm, "forward"): lambda self, x: rms_norm(x, self.weight, self.eps),
+            (layers.SwiGLU, "forward"): swiglu,
+            (llama, "apply_rope"): torch.compile(layers.apply_rope, dynamic=True)}
+
+
+def measure(llm: LLM, first_token: int) -> dict[str, float]:
+    # prompts from first_token on: no measurement may hit another one's cached prefixes
+    prefill, decode = pagedllm_speeds(llm, list(range(first_token, first_token + 512)), 1)
+    step = python_share(llm, 64, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    return {"prefill_tok_s": prefill, "decode_tok_s": decode, "step64_ms": step}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="1 repetition")
+
+
+def run(args: argparse.Namespace) -> None:
+    repeat = 1 if args.quick else args.repeat
+    llm = LLM(dtype="bfloat16", kv_cache_memory="2GiB")
+    compiled = compiled_pointwise()
+    eager_code = {key: getattr(*key) for key in compiled}
+
+    def use(code: dict) -> None:
+        for (owner, name), fn in code.items():
+            setattr(owner, name, fn)
+
+    use(compiled)
+    t0 = time.perf_counter()
+    llm.generate([list(range(100, 612))], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for n in (3, 64):  # decode batches of other sizes: dynamic shapes compile once more at most
+        llm.generate([[100 + i] * 16 for i in range(n)], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    warmup = time.perf_counter() - t0
+    runs: dict[str, list[dict[str, float]]] = {"eager": [], "compiled": []}
+    for r in range(repeat):  # interleaved: this machine's speed drifts by tens of percent between minutes
+        for i, (mode, code) in enumerate((("eager", eager_code), ("compiled", compiled))):
+            use(code)
+            runs[mode].append(measure(llm, 1000 + 2000 * (2 * r + i)))
+    use(eager_code)
+    med = {mode: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for mode, ms in runs.items()}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {repeat} interleaved runs; "
+          f"compile warm-up {warmup:.1f} s")
+    print(f"{'':24}{'eager':>10}{'compiled':>10}{'compiled/eager':>16}")
+    for key, label in (("decode_tok_s", "decode tok/s (1 stream)"), ("prefill_tok_s", "prefill tok/s (512)"),
+                       ("step64_ms", "64-request step ms")):
+        e, c = med["eager"][key], med["compiled"][key]
+        print(f"{label:24}{e:10.1f}{c:10.1f}{c / e:16.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.bench_main("compile", __doc__, add_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
