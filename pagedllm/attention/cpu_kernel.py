@@ -99,6 +99,23 @@ def load_ops():
             raise
 
 
+_missing = object()
+_op_cache: dict[str, object] = {}
+
+
+def kernel_op(name: str):
+    """The extension's op `name`, or None where the extension could not be built (no compiler): callers keep a
+    torch path for that case."""
+    op = _op_cache.get(name, _missing)
+    if op is _missing:
+        try:
+            op = getattr(load_ops(), name)
+        except Exception:
+            op = None
+        _op_cache[name] = op
+    return op
+
+
 def kernel_has_avx512() -> bool:
     return bool(load_ops().capabilities() & 1)
 

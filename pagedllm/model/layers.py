@@ -11,19 +11,16 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_BATCH_ROWS = 4  # up to this many rows, bf16 linears use the bandwidth-bound small-GEMM kernel
-_small_gemm = None  # the kernel's op once loaded; False when this CPU (or build) has none
+_small_gemm = None  # the kernel's op once looked up; False when this CPU (or build) has none
 
 
 def _small_gemm_op():
     global _small_gemm
     if _small_gemm is None:
-        try:
-            from pagedllm.attention.cpu_kernel import load_ops
+        from pagedllm.attention.cpu_kernel import kernel_op
 
-            ops = load_ops()
-            _small_gemm = ops.small_gemm_bf16 if ops.small_gemm_available() else False
-        except Exception:  # no compiler, no avx512_bf16: F.linear everywhere
-            _small_gemm = False
+        available = kernel_op("small_gemm_available")
+        _small_gemm = kernel_op("small_gemm_bf16") if available is not None and available() else False
     return _small_gemm
 
 

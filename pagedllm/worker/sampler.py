@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention.cpu_kernel import kernel_op
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -85,21 +86,6 @@ def sample_by_sorting(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return ids.gather(1, _draw(p, uniforms)[:, None]).squeeze(1)
 
 
-_kernel_op = None  # the C++ sampler once loaded; False when it could not be built
-
-
-def _sample_from_logits():
-    global _kernel_op
-    if _kernel_op is None:
-        try:
-            from pagedllm.attention.cpu_kernel import load_ops
-
-            _kernel_op = load_ops().sample_from_logits
-        except Exception:  # no compiler: sort in torch
-            _kernel_op = False
-    return _kernel_op
-
-
 class Sampler:
     def __init__(self, seed: int = 0, use_kernel: bool = True) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -120,8 +106,8 @@ class Sampler:
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
         uniforms = self._uniforms(rows)
-        kernel = self.use_kernel and _sample_from_logits()
-        if kernel:
+        kernel = kernel_op("sample_from_logits") if self.use_kernel else None
+        if kernel is not None:
             return kernel(logits.contiguous(), temperature, top_k, top_p, min_p, uniforms)
         return sample_by_sorting((logits / temperature[:, None]).softmax(-1), top_k, top_p, min_p, uniforms)
 
