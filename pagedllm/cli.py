@@ -129,8 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         bp = bsub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
         mod.add_args(bp)
-        bp.set_defaults(func=lambda a, m=mod: m.run(a) or 0)
+        bp.set_defaults(func=lambda a, m=mod: _run_bench(m, a))
     return parser
+
+
+def _run_bench(module, args: argparse.Namespace) -> int:
+    module.run(args)  # a bench prints and writes its results (its return value is not an exit code); failures raise
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

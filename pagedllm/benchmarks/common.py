@@ -363,4 +363,5 @@ def bench_main(name: str, doc: str, add_args, run, argv: list[str] | None = None
     """`python -m pagedllm.benchmarks.<name>`: the same arguments as `pagedllm bench <name>`."""
     p = argparse.ArgumentParser(prog=f"pagedllm bench {name}", description=doc.splitlines()[0])
     add_args(p)
-    return run(p.parse_args(argv)) or 0
+    run(p.parse_args(argv))  # a bench prints and writes its results; a failure raises
+    return 0

@@ -152,9 +152,7 @@ def _plot(compare: list[dict], sweep: list[dict]):
     return fig
 
 
-def run(args: argparse.Namespace) -> int:
-    measure(args)
-    return 0
+run = measure  # what `pagedllm bench` calls
 
 
 def main(argv: list[str] | None = None) -> int:
