@@ -226,3 +226,27 @@ def test_bfloat16_close_to_transformers_bfloat16(pair):
         assert (got - ref32).abs().max().item() < 0.1 * ref32.abs().max().item()
     finally:
         pair.hf.float()
+
+
+def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair):
+    """One-token bf16 steps on the C++ backend: where the CPU has avx512_bf16 they run the fused decoder layer
+    (decoder_layer.cpp), the prefill before them the torch layers."""
+    from pagedllm.model.layers import bf16_kernel_op
+
+    if bf16_kernel_op("decoder_layer_bf16") is None:
+        pytest.skip("no avx512_bf16 kernels on this CPU")
+    hf16 = pair.hf.to(torch.bfloat16)
+    try:
+        ours = load_model(pair.path, "bfloat16", attention_backend="cpu", load_tokenizer=False)
+        toks = _rand_tokens(random.Random(11), 26)
+        runner = PagedRunner(ours, dtype=torch.bfloat16, seed=3)
+        assert ours.model._fused_layer_op(torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
+        seq = Seq(toks)
+        runner.step([(seq, 18)])
+        got = torch.cat([runner.step([(seq, 1)])[0] for _ in range(8)])
+        ref = hf_logits(hf16, toks)[18:]
+        ref32 = hf_logits(pair.hf.float(), toks)[18:]
+        err = (got - ref).abs().max().item()
+        assert err < max(4 * (ref - ref32).abs().max().item(), 0.05)
+    finally:
+        pair.hf.float()

@@ -9,8 +9,8 @@ from pagedllm.model import layers
 
 
 def kernel():
-    op = layers._small_gemm_op()
-    if not op:
+    op = layers.bf16_kernel_op("small_gemm_bf16")
+    if op is None:
         pytest.skip("no avx512_bf16 small-GEMM kernel on this CPU")
     return op
 

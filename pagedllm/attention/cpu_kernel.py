@@ -29,8 +29,11 @@ from pagedllm.attention.reference import copy_blocks, write_kv
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-SOURCES = [SOURCE, *(Path(__file__).parent / "csrc" / f for f in ("small_gemm.cpp", "sampler.cpp"))]  # one extension, one torch.ops namespace
+_CSRC = Path(__file__).parent / "csrc"
+SOURCE = _CSRC / "paged_attention.cpp"
+# one extension, one torch.ops namespace; the header is hashed with the sources (a change to it rebuilds)
+SOURCES = [SOURCE, *(_CSRC / f for f in ("small_gemm.cpp", "sampler.cpp", "decoder_layer.cpp"))]
+HEADERS = [_CSRC / "kernels.h"]
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 _lock = threading.Lock()
 _ops = None
@@ -80,7 +83,8 @@ def load_ops():
             from torch.utils import cpp_extension
 
             variant, isa = build_variant()
-            digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(isa).encode()).hexdigest()[:12]
+            code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+            digest = hashlib.sha256(code + " ".join(isa).encode()).hexdigest()[:12]
             name = f"pagedllm_cpu_{variant}_{digest}"
             build_dir = cache_dir() / name
             try:
@@ -147,6 +151,8 @@ class CpuAttentionBackend:
     def __init__(self, portable: bool = False) -> None:
         load_ops()
         self.portable = portable
+        # the model may run whole decoder layers in C++ (decoder_layer.cpp), which call this kernel's fast path
+        self.runs_fused_layers = not portable
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -10,27 +10,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_BATCH_ROWS = 4  # up to this many rows, bf16 linears use the bandwidth-bound small-GEMM kernel
-_small_gemm = None  # the kernel's op once looked up; False when this CPU (or build) has none
+SMALL_BATCH_ROWS = 4  # up to this many rows, bf16 linears (and whole decoder layers) run in the C++ kernels
+_has_bf16_kernels: bool | None = None  # whether the extension built its avx512_bf16 small GEMM; None = not asked yet
 
 
-def _small_gemm_op():
-    global _small_gemm
-    if _small_gemm is None:
+def bf16_kernel_op(name: str) -> Any:
+    """The extension's op `name` where it has the avx512_bf16 small GEMM (which the bf16 decode ops build on),
+    else None: the model keeps its torch path there."""
+    global _has_bf16_kernels
+    if _has_bf16_kernels is None:
         from pagedllm.attention.cpu_kernel import kernel_op
 
         available = kernel_op("small_gemm_available")
-        _small_gemm = kernel_op("small_gemm_bf16") if available is not None and available() else False
-    return _small_gemm
+        _has_bf16_kernels = available is not None and bool(available())
+    if not _has_bf16_kernels:
+        return None
+    from pagedllm.attention.cpu_kernel import kernel_op
+
+    return kernel_op(name)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for decode-sized bf16 batches, where oneDNN reads the weights at a fraction of the
     memory bandwidth: there a kernel that streams each weight row once is 1.5-2.5x faster."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and _small_gemm_op():
-        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        _small_gemm(out, x.contiguous(), w)
-        return out if bias is None else out + bias
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+        gemm = bf16_kernel_op("small_gemm_bf16")
+        if gemm is not None:
+            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+            gemm(out, x.contiguous(), w)
+            return out if bias is None else out + bias
     return F.linear(x, w, bias)
 
 

@@ -14,7 +14,16 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, frozen_param, linear
+from pagedllm.model.layers import (
+    SMALL_BATCH_ROWS,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rope,
+    bf16_kernel_op,
+    frozen_param,
+    linear,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -60,6 +69,24 @@ class DecoderLayer(nn.Module):
         h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, meta, backend)
         return h + self.mlp(self.post_norm(h))
 
+    def forward_fused(self, op, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                      meta: AttentionMetadata) -> None:
+        """The same layer as one C++ call (decoder_layer.cpp), updating h in place: for decode-sized bf16 batches,
+        where dispatching forward()'s ~50 small ops costs more than half of the weights' streaming time."""
+        c = self.attn.cfg
+        op(h, *self._fused_weights(), cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
+           meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale)
+
+    def _fused_weights(self) -> tuple:
+        """The op's weight arguments in its order, gathered once (the Parameters stay the same objects when
+        weights are loaded, only their data changes)."""
+        if not hasattr(self, "_weights_for_op"):
+            a = self.attn
+            q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.cfg.qk_norm else (None, None)
+            self._weights_for_op = (self.input_norm.weight, a.qkv, a.qkv_bias, q_norm, k_norm, a.o, a.o_bias,
+                                    self.post_norm.weight, self.mlp.gate_up, self.mlp.down)
+        return self._weights_for_op
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -73,6 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else frozen_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.set_attention_backend(attention_backend)
+        self.fused_decode = True  # one C++ call per layer for decode-sized bf16 batches where the kernels allow
 
     def set_attention_backend(self, backend: AttentionBackend | str) -> None:
         """A backend object, or a name resolved on first use (so that loading never builds a kernel the engine
@@ -91,9 +119,22 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(positions, self.dtype)
+        fused = self._fused_layer_op(h, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv, meta, self.attn_backend)
+            if fused is not None:
+                layer.forward_fused(fused, h, cos, sin, kv, meta)
+            else:
+                h = layer(h, cos, sin, kv, meta, self.attn_backend)
         return self.norm(h)
+
+    def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
+        """The fused decoder-layer op when this batch can use it (bf16 weights and KV, a few tokens, the C++
+        attention kernel as backend, a CPU with avx512_bf16), else None."""
+        if not (self.fused_decode and h.dtype == torch.bfloat16 and 0 < h.shape[0] <= SMALL_BATCH_ROWS
+                and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
+                and getattr(self.attn_backend, "runs_fused_layers", False)):
+            return None
+        return bf16_kernel_op("decoder_layer_bf16")
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

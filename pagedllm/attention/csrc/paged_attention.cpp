@@ -29,6 +29,8 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -40,26 +42,14 @@
 
 namespace {
 
+using pagedllm::bf16_to_f32;
+using pagedllm::f32_to_bf16;
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kChunk = 16;     // keys per online-softmax step
 constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
 constexpr int64_t kMinWorkPerThread = 1 << 13;  // (key x row) pairs, ~60 us of one thread
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, quiet NaN kept
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 struct Problem {
   const void* q;
@@ -528,6 +518,10 @@ bool is_f32(const at::Tensor& t) { return t.scalar_type() == at::ScalarType::Flo
 // out [T, Hq, D] (contiguous, q's dtype) <- attention of q [T, Hq, D] over the paged context.
 // impl: 0 = best available, 1 = portable. min_items: split long contexts until there are this many work items
 // (0 = 4 x threads).
+}  // namespace
+
+namespace pagedllm {
+
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl,
                      int64_t min_items) {
@@ -650,12 +644,16 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
 }
 
+}  // namespace pagedllm
+
+namespace {
+
 // Bit 0: AVX-512 paths compiled in.
 int64_t capabilities() { return PA_AVX512 ? 1 : 0; }
 
 }  // namespace
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention", &pagedllm::paged_attention);
   m.def("capabilities", &capabilities);
 }

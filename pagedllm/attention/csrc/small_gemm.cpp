@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SG_AVX512BF16 1
@@ -30,13 +32,6 @@ constexpr int64_t kPrefetchRows = 4;  // software prefetch distance, in weight r
 inline __m512i load_chunk(const uint16_t* p, int64_t remaining) {
   if (remaining >= 32) return _mm512_loadu_si512(p);
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << remaining) - 1), p);
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 void gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K,
@@ -57,7 +52,7 @@ void gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, i
         for (int j = 0; j < kRows; ++j)
           acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)load_chunk(wr + j * K + k, K - k));
       }
-      for (int j = 0; j < kRows; ++j) out[m * N + n + j] = to_bf16(_mm512_reduce_add_ps(acc[j]));
+      for (int j = 0; j < kRows; ++j) out[m * N + n + j] = pagedllm::f32_to_bf16(_mm512_reduce_add_ps(acc[j]));
     }
   }
   for (; n < n1; ++n) {  // leftover rows, one at a time
@@ -66,32 +61,45 @@ void gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, i
       for (int64_t k = 0; k < K; k += 32)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)load_chunk(x + m * K + k, K - k),
                                (__m512bh)load_chunk(w + n * K + k, K - k));
-      out[m * N + n] = to_bf16(_mm512_reduce_add_ps(acc));
+      out[m * N + n] = pagedllm::f32_to_bf16(_mm512_reduce_add_ps(acc));
     }
   }
 }
 #endif
 
-void small_gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& w) {
+}  // namespace
+
+namespace pagedllm {
+
+bool small_gemm_available() { return SG_AVX512BF16; }
+
+void small_gemm_bf16_raw(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K) {
 #if SG_AVX512BF16
+  // Grain: enough rows that one task reads ~64 KiB of weights (fewer, larger tasks wake fewer threads).
+  const int64_t grain = std::max<int64_t>(kRows, ((32768 / std::max<int64_t>(K, 1)) + kRows - 1) / kRows * kRows);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemm_rows(x, w, out, M, N, K, n0, n1); });
+#else
+  TORCH_CHECK(false, "small_gemm_bf16 needs a CPU with avx512_bf16 (the model falls back to F.linear)");
+#endif
+}
+
+}  // namespace pagedllm
+
+namespace {
+
+void small_gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16, "small_gemm_bf16: bf16 tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_gemm_bf16: shapes [M,K] x [N,K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "small_gemm_bf16: contiguous only");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "small_gemm_bf16: out must be [M, N]");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // Grain: enough rows that one task reads ~64 KiB of weights (fewer, larger tasks wake fewer threads).
-  const int64_t grain = std::max<int64_t>(kRows, ((32768 / std::max<int64_t>(K, 1)) + kRows - 1) / kRows * kRows);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemm_rows(xp, wp, op, M, N, K, n0, n1); });
-#else
-  TORCH_CHECK(false, "small_gemm_bf16 needs a CPU with avx512_bf16 (the model falls back to F.linear)");
-#endif
+  pagedllm::small_gemm_bf16_raw(reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                                reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                                reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K);
 }
 
-int64_t small_gemm_available() { return SG_AVX512BF16; }
+int64_t small_gemm_available() { return pagedllm::small_gemm_available() ? 1 : 0; }
 
 }  // namespace
 

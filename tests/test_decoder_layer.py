@@ -1,0 +1,107 @@
+"""The fused C++ decoder layer (decode-sized bf16 batches) against the model's layer-by-layer torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import ModelConfig, allocate_kv_caches
+from pagedllm.model.layers import SMALL_BATCH_ROWS, bf16_kernel_op
+from pagedllm.model.llama import LlamaForCausalLM
+
+BLOCK = 16
+
+CONFIGS = {
+    "smollm2-shaped": dict(hidden_size=192, intermediate_size=512, num_heads=3, num_kv_heads=1, head_dim=64),
+    "bias+o_bias": dict(hidden_size=128, intermediate_size=320, num_heads=4, num_kv_heads=2, head_dim=32,
+                        qkv_bias=True, o_bias=True),
+    "qk_norm, head_dim 16": dict(hidden_size=96, intermediate_size=200, num_heads=6, num_kv_heads=2,
+                                 head_dim=16, qk_norm=True),
+    "llama3 rope, MHA": dict(hidden_size=256, intermediate_size=384, num_heads=2, num_kv_heads=2, head_dim=128,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+def random_model(name: str, seed: int) -> LlamaForCausalLM:
+    if bf16_kernel_op("decoder_layer_bf16") is None:
+        pytest.skip("no avx512_bf16 kernels on this CPU")
+    cfg = ModelConfig(architecture="llama", num_layers=2, vocab_size=300, max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, **CONFIGS[name])
+    model = LlamaForCausalLM(cfg, torch.bfloat16, attention_backend="cpu")
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 1 else 0.08)).bfloat16()
+    for layer in model.layers:  # norm weights around 1, as trained models have them
+        for norm in (layer.input_norm, layer.post_norm):
+            norm.weight.data = (1 + 0.2 * torch.randn(norm.weight.shape, generator=g)).bfloat16()
+    return model
+
+
+def fill_context(model, caches, g, context_lens: list[int]) -> list[list[int]]:
+    """Prefill each request's context through the torch path; blocks drawn in a scattered order."""
+    num_blocks = caches[0][0].shape[0]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in context_lens:
+        need = -(-(n + SMALL_BATCH_ROWS) // BLOCK)
+        tables.append([perm.pop() for _ in range(need)])
+    ids = torch.randint(0, model.config.vocab_size, (sum(context_lens),), generator=g)
+    meta = build_attention_metadata(tables, [0] * len(context_lens), context_lens, BLOCK)
+    positions = torch.cat([torch.arange(n) for n in context_lens])
+    model.fused_decode = False
+    model(ids, positions, caches, meta)
+    return tables
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("context_lens,new", [([37], [1]), ([5, 130, 16], [1, 1, 1]), ([64, 9], [2, 1]),
+                                              ([200], [4]), ([0, 31], [3, 1])])
+def test_fused_layers_match_torch_layers(name, context_lens, new):
+    seed = sum(context_lens) * 10 + len(new)
+    model = random_model(name, seed)
+    g = torch.Generator().manual_seed(seed)
+    caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=64)
+    tables = fill_context(model, caches, g, context_lens)
+    pool_before = caches.pool.clone()
+    ids = torch.randint(0, model.config.vocab_size, (sum(new),), generator=g)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(context_lens, new, strict=True)])
+    meta = build_attention_metadata(tables, context_lens, new, BLOCK)
+
+    results = {}
+    for fused in (False, True):
+        caches.pool.copy_(pool_before)
+        model.fused_decode = fused
+        if fused:
+            assert model._fused_layer_op(torch.empty(sum(new), 1, dtype=torch.bfloat16), caches) is not None
+        hidden = model(ids, positions, caches, meta).float()
+        results[fused] = hidden, caches.pool.clone().float()
+    (h_ref, kv_ref), (h_fused, kv_fused) = results[False], results[True]
+    # same arithmetic up to summation order: a bf16 ulp here and there, never a wrong row
+    assert torch.allclose(h_fused, h_ref, rtol=2e-2, atol=2e-2 * h_ref.abs().max().item())
+    assert (h_fused - h_ref).abs().mean() < 2e-3 * h_ref.abs().mean()
+    assert torch.allclose(kv_fused, kv_ref, rtol=2e-2, atol=2e-2)
+    written = (kv_ref != pool_before.float()).any(-1).any(-1).sum().item()
+    assert written >= sum(new)  # the step did write new K/V (so the comparison above covers them)
+    unwritten = (kv_fused == pool_before.float()).all(-1).all(-1)
+    assert unwritten.sum().item() == unwritten.numel() - written
+
+
+def test_fused_path_only_for_decode_sized_bf16_batches_on_the_cpu_kernel():
+    model = random_model("smollm2-shaped", 1)
+    caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=4)
+    h = torch.empty(1, 192, dtype=torch.bfloat16)
+    assert model._fused_layer_op(h, caches) is not None
+    assert model._fused_layer_op(torch.empty(SMALL_BATCH_ROWS + 1, 192, dtype=torch.bfloat16), caches) is None
+    model.set_attention_backend("reference")
+    assert model._fused_layer_op(h, caches) is None
+
+
+def test_bad_slot_is_an_error_not_a_write_out_of_bounds():
+    model = random_model("smollm2-shaped", 2)
+    caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=2)
+    meta = build_attention_metadata([[0]], [3], [1], BLOCK)
+    meta.slot_mapping = torch.tensor([2 * BLOCK + 5])
+    with pytest.raises(RuntimeError, match="out of range"):
+        model(torch.tensor([7]), torch.tensor([3]), caches, meta)
