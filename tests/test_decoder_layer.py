@@ -1,4 +1,5 @@
-"""The fused C++ decoder layer (decode-sized bf16 batches) against the model's layer-by-layer torch path."""
+"""The fused C++ decoder layer (bf16 on the C++ backend) against the model's layer-by-layer torch path, for decode
+steps of a few tokens (small-GEMM kernel) and prefill-sized batches (oneDNN matmul, parallel pointwise stages)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from pagedllm.attention import build_attention_metadata
 from pagedllm.model import ModelConfig, allocate_kv_caches
-from pagedllm.model.layers import SMALL_BATCH_ROWS, bf16_kernel_op
+from pagedllm.model.layers import bf16_kernel_op
 from pagedllm.model.llama import LlamaForCausalLM
 
 BLOCK = 16
@@ -45,24 +46,25 @@ def fill_context(model, caches, g, context_lens: list[int]) -> list[list[int]]:
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for n in context_lens:
-        need = -(-(n + SMALL_BATCH_ROWS) // BLOCK)
+        need = -(-(n + 300) // BLOCK)
         tables.append([perm.pop() for _ in range(need)])
     ids = torch.randint(0, model.config.vocab_size, (sum(context_lens),), generator=g)
     meta = build_attention_metadata(tables, [0] * len(context_lens), context_lens, BLOCK)
     positions = torch.cat([torch.arange(n) for n in context_lens])
-    model.fused_decode = False
+    model.fused_layers = False
     model(ids, positions, caches, meta)
     return tables
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("context_lens,new", [([37], [1]), ([5, 130, 16], [1, 1, 1]), ([64, 9], [2, 1]),
-                                              ([200], [4]), ([0, 31], [3, 1])])
+                                              ([200], [4]), ([0, 31], [3, 1]), ([0, 40, 0], [77, 5, 130]),
+                                              ([0], [300])])
 def test_fused_layers_match_torch_layers(name, context_lens, new):
     seed = sum(context_lens) * 10 + len(new)
     model = random_model(name, seed)
     g = torch.Generator().manual_seed(seed)
-    caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=64)
+    caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=96)
     tables = fill_context(model, caches, g, context_lens)
     pool_before = caches.pool.clone()
     ids = torch.randint(0, model.config.vocab_size, (sum(new),), generator=g)
@@ -72,7 +74,7 @@ def test_fused_layers_match_torch_layers(name, context_lens, new):
     results = {}
     for fused in (False, True):
         caches.pool.copy_(pool_before)
-        model.fused_decode = fused
+        model.fused_layers = fused
         if fused:
             assert model._fused_layer_op(torch.empty(sum(new), 1, dtype=torch.bfloat16), caches) is not None
         hidden = model(ids, positions, caches, meta).float()
@@ -88,12 +90,16 @@ def test_fused_layers_match_torch_layers(name, context_lens, new):
     assert unwritten.sum().item() == unwritten.numel() - written
 
 
-def test_fused_path_only_for_decode_sized_bf16_batches_on_the_cpu_kernel():
+def test_fused_path_only_for_bf16_on_the_cpu_kernel():
     model = random_model("smollm2-shaped", 1)
     caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=4)
     h = torch.empty(1, 192, dtype=torch.bfloat16)
     assert model._fused_layer_op(h, caches) is not None
-    assert model._fused_layer_op(torch.empty(SMALL_BATCH_ROWS + 1, 192, dtype=torch.bfloat16), caches) is None
+    assert model._fused_layer_op(torch.empty(500, 192, dtype=torch.bfloat16), caches) is not None
+    assert model._fused_layer_op(h.float(), caches) is None
+    model.fused_layers = False
+    assert model._fused_layer_op(h, caches) is None
+    model.fused_layers = True
     model.set_attention_backend("reference")
     assert model._fused_layer_op(h, caches) is None
 

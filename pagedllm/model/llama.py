@@ -15,7 +15,6 @@ from torch import nn
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import (
-    SMALL_BATCH_ROWS,
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
@@ -71,8 +70,9 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, op, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                       meta: AttentionMetadata) -> None:
-        """The same layer as one C++ call (decoder_layer.cpp), updating h in place: for decode-sized bf16 batches,
-        where dispatching forward()'s ~50 small ops costs more than half of the weights' streaming time."""
+        """The same layer as one C++ call (decoder_layer.cpp), updating h in place: for bf16 batches on the C++
+        attention backend, where forward()'s ~50 torch ops cost more than half of a decode token's time (their
+        dispatch) and ~20% of a prefill (their passes over fp32 temporaries)."""
         c = self.attn.cfg
         op(h, *self._fused_weights(), cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
            meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale)
@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else frozen_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.set_attention_backend(attention_backend)
-        self.fused_decode = True  # one C++ call per layer for decode-sized bf16 batches where the kernels allow
+        self.fused_layers = True  # one C++ call per layer for bf16 batches where the kernels allow
 
     def set_attention_backend(self, backend: AttentionBackend | str) -> None:
         """A backend object, or a name resolved on first use (so that loading never builds a kernel the engine
@@ -128,9 +128,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
-        """The fused decoder-layer op when this batch can use it (bf16 weights and KV, a few tokens, the C++
-        attention kernel as backend, a CPU with avx512_bf16), else None."""
-        if not (self.fused_decode and h.dtype == torch.bfloat16 and 0 < h.shape[0] <= SMALL_BATCH_ROWS
+        """The fused decoder-layer op when this batch can use it (bf16 weights and KV, the C++ attention kernel as
+        backend, a CPU with avx512_bf16), else None."""
+        if not (self.fused_layers and h.dtype == torch.bfloat16 and h.shape[0] > 0
                 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
                 and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None

@@ -1,56 +1,129 @@
-// One Llama decoder layer in one call, for decode-sized bf16 batches (a few tokens).
+// One Llama decoder layer in one call, for bf16 models on the C++ attention backend.
 //
-// A decode token of a small model is ~8 ms of weight streaming plus, layer by layer in Python, ~50 small torch
-// ops per layer (norms, RoPE, splits, casts, adds): ~5 ms of dispatch for 30 layers. Here the pointwise work
-// (RMSNorm, biases, q/k norms, RoPE, the K/V write, the SiLU gate, residual adds) is plain loops over the few
-// rows, and the linears and attention call the small-GEMM and paged-attention kernels directly. Each step
-// rounds to bf16 where the torch path does (every bf16 op rounds its result), so the two agree to a bf16 ulp
-// (the reductions of the norms and the GEMMs sum in a different order).
+// Layer by layer in Python a bf16 layer is ~50 torch ops: for a decode token of a small model their dispatch
+// (~5 ms over 30 layers) costs more than half of streaming the weights (~8 ms), and for prefill and large
+// batches the norms, RoPE and SiLU gate each make several passes over fp32 temporaries. Here the pointwise work
+// (RMSNorm, biases, q/k norms, RoPE, the K/V write, the SiLU gate, residual adds) is one vectorised pass per
+// stage over the rows, in parallel; the linears are the small-GEMM kernel (a few rows) or oneDNN's matmul, and
+// attention is the paged kernel reading q in place from the QKV buffer.
+//
+// Rounding follows the torch path op by op (every bf16 op rounds its result to bf16, round-to-nearest-even), so
+// the two agree to a bf16 ulp where reductions (norms, GEMMs) sum in a different order.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <vector>
 
 #include "kernels.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DL_ENABLED 1
+#else
+#define DL_ENABLED 0
+#endif
+
 namespace {
 
-using pagedllm::bf16_to_f32;
-using pagedllm::f32_to_bf16;
+#if DL_ENABLED
 using Bf16 = uint16_t;
+constexpr int64_t kRowsPerTask = 16;  // rows per parallel task of the pointwise stages
+constexpr int64_t kSmallGemmRows = 4;  // up to here the small GEMM (layers.SMALL_BATCH_ROWS on the Python side)
 
-inline Bf16 mul(Bf16 a, Bf16 b) { return f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b)); }
-inline Bf16 add(Bf16 a, Bf16 b) { return f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b)); }
-
-const Bf16* bf16_data(const at::Tensor& t) { return reinterpret_cast<const Bf16*>(t.data_ptr()); }
-Bf16* bf16_data(at::Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr()); }
-
-// y = w * (x * rsqrt(mean(x^2) + eps)) as transformers does it: statistics in fp32, normalised x rounded to bf16
-// before the weight multiplies it. y may alias x.
-void rms_norm(const Bf16* x, const Bf16* w, Bf16* y, int64_t n, float eps) {
-  float sum_sq = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = bf16_to_f32(x[i]);
-    sum_sq += v * v;
-  }
-  const float r = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = mul(w[i], f32_to_bf16(bf16_to_f32(x[i]) * r));
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-// x * cos + rotate_half(x) * sin over one head of d elements, in place (rotate-half convention).
+inline __m512 load(const Bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline void store(Bf16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and loading back gives
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+}
+
+const Bf16* data(const at::Tensor& t) { return reinterpret_cast<const Bf16*>(t.data_ptr()); }
+Bf16* data(at::Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr()); }
+
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)), statistics in fp32, as transformers computes it. y may alias x.
+void rms_norm(const Bf16* x, const Bf16* w, Bf16* y, int64_t n, float eps) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load(x + i, tail_mask(n - i));
+    sum = _mm512_fmadd_ps(v, v, sum);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store(y + i, _mm512_mul_ps(load(w + i, m), round_bf16(_mm512_mul_ps(load(x + i, m), r))), m);
+  }
+}
+
+// x * cos + rotate_half(x) * sin over one head of d elements, in place; each product and the sum rounded.
 void rope(Bf16* x, const Bf16* cos, const Bf16* sin, int64_t d) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const Bf16 a = x[i], b = x[i + half];
-    const Bf16 neg_b = static_cast<Bf16>(b ^ 0x8000u);
-    x[i] = add(mul(a, cos[i]), mul(neg_b, sin[i]));
-    x[i + half] = add(mul(b, cos[i + half]), mul(a, sin[i + half]));
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 a = load(x + i, m), b = load(x + half + i, m);
+    const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, load(cos + i, m))),
+                                    round_bf16(_mm512_mul_ps(_mm512_xor_ps(b, sign), load(sin + i, m))));
+    const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, load(cos + half + i, m))),
+                                    round_bf16(_mm512_mul_ps(a, load(sin + half + i, m))));
+    store(x + i, lo, m);
+    store(x + half + i, hi, m);
   }
 }
+
+// x += b (n elements)
+void add_into(Bf16* x, const Bf16* b, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store(x + i, _mm512_add_ps(load(x + i, m), load(b + i, m)), m);
+  }
+}
+
+// out[i] = bf16(silu(g[i])) * u[i], rounded: F.silu(gate) * up on bf16 tensors.
+void silu_mul(const Bf16* g, const Bf16* u, Bf16* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 gv = load(g + i, m);
+    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, pagedllm::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    store(out + i, _mm512_mul_ps(round_bf16(silu), load(u + i, m)), m);
+  }
+}
+
+// out = x @ w^T (+ bias) like the model's linear(): the bandwidth-bound small GEMM for a few rows (the bias added
+// to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does).
+void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = w.size(0);
+  if (rows <= kSmallGemmRows) {
+    pagedllm::small_gemm_bf16_raw(data(x), data(w), data(out), rows, n, w.size(1));
+    if (bias)
+      for (int64_t r = 0; r < rows; ++r) add_into(data(out) + r * n, data(*bias), n);
+  } else if (bias) {
+    at::addmm_out(out, *bias, x, w.t());
+  } else {
+    at::mm_out(out, x, w.t());
+  }
+}
+
+template <typename F>
+void for_rows(int64_t rows, const F& f) {
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+#endif
 
 void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "decoder_layer_bf16: ", name,
@@ -69,11 +142,12 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale) {
-  TORCH_CHECK(pagedllm::small_gemm_available(), "decoder_layer_bf16 needs the avx512_bf16 small GEMM");
+#if DL_ENABLED
   TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.is_contiguous(),
               "decoder_layer_bf16: h must be contiguous bf16 [tokens, hidden]");
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.dim() == 4 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(),
+                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kBFloat16,
               "decoder_layer_bf16: K/V caches must be contiguous bf16 [blocks, block_size, kv_heads, head_dim]");
   const int64_t M = h.size(0), H = h.size(1), hkv = k_cache.size(2), d = k_cache.size(3);
   const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
@@ -94,62 +168,54 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == M,
               "decoder_layer_bf16: slot_mapping must be contiguous int64 [tokens]");
-
-  Bf16* hp = bf16_data(h);
-  const float epsf = static_cast<float>(eps);
-  std::vector<Bf16> x(M * std::max(H, inter)), qkv(M * qkv_size), gate_up(M * 2 * inter), proj(M * H);
-  auto residual_add = [&] {  // h += proj, with an optional bias already folded into proj
-    for (int64_t i = 0; i < M * H; ++i) hp[i] = add(hp[i], proj[i]);
-  };
-
-  // Attention block.
-  for (int64_t m = 0; m < M; ++m) rms_norm(hp + m * H, bf16_data(input_norm), x.data() + m * H, H, epsf);
-  pagedllm::small_gemm_bf16_raw(x.data(), bf16_data(qkv_w), qkv.data(), M, qkv_size, H);
-  at::Tensor q = at::empty({M, num_heads, d}, h.options());
-  Bf16* qp = bf16_data(q);
-  Bf16* kc = bf16_data(k_cache);
-  Bf16* vc = bf16_data(v_cache);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const Bf16* qkv_bias = qkv_b ? bf16_data(*qkv_b) : nullptr;
-  for (int64_t m = 0; m < M; ++m) {
-    Bf16* row = qkv.data() + m * qkv_size;
-    if (qkv_bias)
-      for (int64_t i = 0; i < qkv_size; ++i) row[i] = add(row[i], qkv_bias[i]);
-    const Bf16* c = bf16_data(cos) + m * d;
-    const Bf16* s = bf16_data(sin) + m * d;
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_layer_bf16: slot ", slots[m], " out of range");
+
+  const float epsf = static_cast<float>(eps);
+  Bf16* hp = data(h);
+  const Bf16* qn = q_norm ? data(*q_norm) : nullptr;
+  const Bf16* kn = k_norm ? data(*k_norm) : nullptr;
+  at::Tensor x = at::empty({M, H}, h.options());
+  at::Tensor qkv = at::empty({M, qkv_size}, h.options());
+  at::Tensor attn = at::empty({M, num_heads, d}, h.options());
+  at::Tensor proj = at::empty({M, H}, h.options());
+  at::Tensor gate_up = at::empty({M, 2 * inter}, h.options());
+  at::Tensor act = at::empty({M, inter}, h.options());
+  Bf16 *xp = data(x), *qkvp = data(qkv), *projp = data(proj), *gup = data(gate_up), *actp = data(act);
+
+  // Attention block: norm, QKV, (bias, q/k norm,) RoPE on q and k, K/V into the cache, attention, O.
+  for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data(input_norm), xp + m * H, H, epsf); });
+  linear(x, qkv_w, qkv_b, qkv);
+  Bf16* kc = data(k_cache);
+  Bf16* vc = data(v_cache);
+  for_rows(M, [&](int64_t m) {
+    Bf16* row = qkvp + m * qkv_size;
     for (int64_t head = 0; head < num_heads + hkv; ++head) {  // q heads, then k heads: contiguous in the row
       Bf16* x_head = row + head * d;
-      if (q_norm) rms_norm(x_head, bf16_data(head < num_heads ? *q_norm : *k_norm), x_head, d, epsf);
-      rope(x_head, c, s, d);
+      if (qn) rms_norm(x_head, head < num_heads ? qn : kn, x_head, d, epsf);
+      rope(x_head, data(cos) + m * d, data(sin) + m * d, d);
     }
-    std::memcpy(qp + m * q_size, row, q_size * sizeof(Bf16));
-    const int64_t slot = slots[m];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "decoder_layer_bf16: slot ", slot, " out of range");
-    std::memcpy(kc + slot * kv_size, row + q_size, kv_size * sizeof(Bf16));
-    std::memcpy(vc + slot * kv_size, row + q_size + kv_size, kv_size * sizeof(Bf16));
-  }
-  at::Tensor attn = at::empty_like(q);
+    std::memcpy(kc + slots[m] * kv_size, row + q_size, kv_size * sizeof(Bf16));
+    std::memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(Bf16));
+  });
+  const at::Tensor q = qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
   pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 0, 0);
-  pagedllm::small_gemm_bf16_raw(bf16_data(attn), bf16_data(o_w), proj.data(), M, H, q_size);
-  if (o_b) {
-    const Bf16* o_bias = bf16_data(*o_b);
-    for (int64_t i = 0; i < M * H; ++i) proj[i] = add(proj[i], o_bias[i % H]);
-  }
-  residual_add();
+  linear(attn.view({M, q_size}), o_w, o_b, proj);
+  for_rows(M, [&](int64_t m) {  // h += o; then the MLP's norm of the new h
+    add_into(hp + m * H, projp + m * H, H);
+    rms_norm(hp + m * H, data(post_norm), xp + m * H, H, epsf);
+  });
 
   // MLP block: down(silu(gate) * up), gate and up fused in one weight.
-  for (int64_t m = 0; m < M; ++m) rms_norm(hp + m * H, bf16_data(post_norm), x.data() + m * H, H, epsf);
-  pagedllm::small_gemm_bf16_raw(x.data(), bf16_data(gate_up_w), gate_up.data(), M, 2 * inter, H);
-  for (int64_t m = 0; m < M; ++m) {
-    const Bf16* g = gate_up.data() + m * 2 * inter;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gf = bf16_to_f32(g[i]);
-      x[m * inter + i] = mul(f32_to_bf16(gf / (1.f + std::exp(-gf))), g[inter + i]);
-    }
-  }
-  pagedllm::small_gemm_bf16_raw(x.data(), bf16_data(down_w), proj.data(), M, H, inter);
-  residual_add();
+  linear(x, gate_up_w, std::nullopt, gate_up);
+  for_rows(M, [&](int64_t m) { silu_mul(gup + m * 2 * inter, gup + m * 2 * inter + inter, actp + m * inter, inter); });
+  linear(act, down_w, std::nullopt, proj);
+  for_rows(M, [&](int64_t m) { add_into(hp + m * H, projp + m * H, H); });
+#else
+  TORCH_CHECK(false, "decoder_layer_bf16 needs a CPU with avx512_bf16 (the model runs its torch layers)");
+#endif
 }
 
 }  // namespace

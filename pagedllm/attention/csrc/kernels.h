@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace pagedllm {
 
 inline float bf16_to_f32(uint16_t h) {
@@ -23,6 +27,21 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, quiet NaN kept
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
+#if defined(__AVX512F__)
+// exp(x): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for the reduction), e^r by its degree-6 Taylor
+// polynomial (relative error ~1e-7), times 2^n with scalef. Below -104 (0 in float) x is clamped.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
 
 // paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V (impl 0 = fastest, 1 = portable).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,

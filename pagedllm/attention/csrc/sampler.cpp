@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -143,20 +145,6 @@ int64_t draw(const float* p, int64_t n, uint32_t floor, double target) {
   return last < 0 ? 0 : last;  // target at the very top of the CDF (rounding)
 }
 
-#if defined(__AVX512F__)
-// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for the reduction), e^r by its
-// degree-6 Taylor polynomial (relative error ~1e-7), times 2^n with scalef.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in float; keeps n small
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 720);
-  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(y, n);
-}
-#endif
 
 // p[i] = exp((logits[i] - max) / temperature)
 void probabilities(const float* logits, int64_t n, float temperature, float* p) {
@@ -168,7 +156,7 @@ void probabilities(const float* logits, int64_t n, float temperature, float* p) 
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(p + i, exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + i), vmx), vinv)));
+    _mm512_storeu_ps(p + i, pagedllm::exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + i), vmx), vinv)));
 #endif
   for (; i < n; ++i) p[i] = std::exp((logits[i] - mx) * inv_t);
 }
