@@ -111,3 +111,25 @@ def test_greedy_logprobs_and_ranks():
     assert out.ranks == [1, 1]
     assert torch.allclose(torch.tensor(out.logprobs), lp.max(-1).values)
     assert out.top_ids[0] == lp[0].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("vocab,scale,top_p", [(49152, 0.5, 0.999), (49152, 3.0, 0.95), (5000, 1.0, 0.5),
+                                               (5000, 0.05, 0.99)])
+def test_kernel_nucleus_edges_equal_the_definition(vocab, scale, top_p):
+    """Uniforms at 0 and just below 1 draw the first and last kept token in vocabulary order: both must be the
+    definition's, including where the nucleus is nearly the whole vocabulary (the kernel skips tokens below
+    (1 - top_p) * mass / vocab before its histograms)."""
+    from pagedllm.attention.cpu_kernel import kernel_op
+
+    op = kernel_op("sample_from_logits")
+    if op is None:
+        pytest.skip("C++ sampler not built")
+    g = torch.Generator().manual_seed(vocab + int(scale * 100))
+    logits = torch.randn(4, vocab, generator=g) * scale
+    for r in range(4):
+        expected = reference_probs(logits[r], top_p=top_p)
+        kept = torch.nonzero(expected).flatten()
+        args = (torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.full((2,), top_p), torch.zeros(2))
+        first, last = op(logits[r].expand(2, vocab).contiguous(), *args,
+                         torch.tensor([0.0, 1 - 1e-12], dtype=torch.float64)).tolist()
+        assert (first, last) == (kept.min().item(), kept.max().item())

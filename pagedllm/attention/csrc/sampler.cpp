@@ -7,7 +7,8 @@
 // top-k kept) is the probability at which that running mass first reaches top_p. The k-th largest value and the
 // mass crossing are found by a radix select on the float bits (non-negative floats order like their bits):
 // a 2048-bin histogram over the row picks the bin holding the crossing, then two finer histograms over that bin's
-// members pin the exact value. A token is then drawn by inverse CDF in vocabulary order over the kept set.
+// members pin the exact value (for top-p only over the tokens above (1 - top_p) * mass / V, the only ones that can
+// be in the nucleus). A token is then drawn by inverse CDF in vocabulary order over the kept set.
 // Cost per row: a handful of linear passes over the row (it stays in L2), independent of how wide the nucleus is.
 
 #include <torch/extension.h>
@@ -59,33 +60,47 @@ int crossing_bin(const double* hist, int bins, double target, double& acc) {
 // descending order over the elements with key >= floor first reaches target; floor if there are none.
 // The passes are branch-free: which bin an element falls in is data, not a predictable branch.
 uint32_t cutoff_key(const float* p, int64_t n, uint32_t floor, double target, bool by_mass) {
+  // The candidates (key >= floor) first, compressed into members: with a high floor (top-p, see sample_row) they
+  // are a small part of the row and the histograms below touch only them.
+  thread_local std::vector<uint32_t> members;
+  members.resize(n);
+  int64_t m = 0, i = 0;
+#if defined(__AVX512F__)
+  const __m512i vfloor = _mm512_set1_epi32(static_cast<int32_t>(floor));
+  for (; i + 16 <= n; i += 16) {
+    const __m512i k = _mm512_loadu_si512(p + i);
+    const __mmask16 keep = _mm512_cmp_epu32_mask(k, vfloor, _MM_CMPINT_NLT);
+    _mm512_mask_compressstoreu_epi32(members.data() + m, keep, k);
+    m += __builtin_popcount(keep);
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t k = key_of(p[i]);
+    members[m] = k;
+    m += k >= floor;
+  }
   constexpr int kLanes = 4;  // interleaved histograms break the store-to-load chain on runs of equal bins
   std::array<double, 2048 * kLanes> lanes{};
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t k = key_of(p[i]);
-    const double w = by_mass ? p[i] : 1.0;
-    lanes[(k >> 20) * kLanes + (i & (kLanes - 1))] += k >= floor ? w : 0.0;
-  }
+  for (int64_t j = 0; j < m; ++j)
+    lanes[(members[j] >> 20) * kLanes + (j & (kLanes - 1))] += by_mass ? value_of(members[j]) : 1.0;
   std::array<double, 2048> hist{};
   for (int b = 0; b < 2048; ++b)
     for (int l = 0; l < kLanes; ++l) hist[b] += lanes[b * kLanes + l];
   double acc = 0.0;
   const int top = crossing_bin(hist.data(), 2048, target, acc);
   if (top < 0) return floor;
-  thread_local std::vector<uint32_t> members;
-  members.resize(n);
-  int64_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t k = key_of(p[i]);
-    members[m] = k;
-    m += (k >= floor) & ((k >> 20) == static_cast<uint32_t>(top));
+  int64_t kept = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    members[kept] = members[j];
+    kept += (members[j] >> 20) == static_cast<uint32_t>(top);
   }
+  m = kept;
   // Bits 19..9, then 8..0, of the members: after both levels every remaining member has the same key.
   for (const auto [shift, bins] : {std::pair<int, int>{9, 2048}, std::pair<int, int>{0, 512}}) {
     hist.fill(0.0);
     for (int64_t j = 0; j < m; ++j) hist[(members[j] >> shift) & (bins - 1)] += by_mass ? value_of(members[j]) : 1.0;
     const uint32_t bin = static_cast<uint32_t>(crossing_bin(hist.data(), bins, target, acc));
-    int64_t kept = 0;
+    kept = 0;
     for (int64_t j = 0; j < m; ++j) {
       members[kept] = members[j];
       kept += ((members[j] >> shift) & (bins - 1)) == bin;
@@ -170,7 +185,13 @@ int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t to
   uint32_t floor = 0;
   if (min_p > 0.0f) floor = key_of(min_p);  // the most likely token has p = 1 here
   if (top_k > 0 && top_k < n) floor = std::max(floor, cutoff_key(p, n, floor, static_cast<double>(top_k), false));
-  if (top_p < 1.0f) floor = std::max(floor, cutoff_key(p, n, floor, top_p * kept_mass(p, n, floor), true));
+  if (top_p < 1.0f) {
+    // Tokens below (1 - top_p) * mass / n are never in the nucleus (together they hold at most (1 - top_p) of the
+    // mass, so the crossing lies above them): only the tokens above that enter the histograms.
+    const double mass = kept_mass(p, n, floor);
+    const uint32_t candidates = std::max(floor, key_of(static_cast<float>((1.0 - top_p) * mass / n)));
+    floor = std::max(floor, cutoff_key(p, n, candidates, top_p * mass, true));
+  }
   return draw(p, n, floor, uniform * kept_mass(p, n, floor));
 }
 
