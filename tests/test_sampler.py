@@ -133,3 +133,20 @@ def test_kernel_nucleus_edges_equal_the_definition(vocab, scale, top_p):
         first, last = op(logits[r].expand(2, vocab).contiguous(), *args,
                          torch.tensor([0.0, 1 - 1e-12], dtype=torch.float64)).tolist()
         assert (first, last) == (kept.min().item(), kept.max().item())
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 49152, 1000])
+def test_kernel_argmax_equals_torch_including_ties(vocab):
+    from pagedllm.attention.cpu_kernel import kernel_op
+
+    op = kernel_op("argmax_rows")
+    if op is None:
+        pytest.skip("C++ sampler not built")
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.cat([torch.randn(5, vocab, generator=g),
+                        torch.randint(0, 3, (5, vocab), generator=g).float(),  # many ties: the first one wins
+                        torch.full((1, vocab), float("-inf"))])
+    logits[2, -1] = 100.0  # the maximum in the tail after the vectorised part
+    assert op(logits).tolist() == logits.argmax(-1).tolist()
+    greedy = [row(temperature=0.0) for _ in range(len(logits))]
+    assert Sampler(use_kernel=True)(logits, greedy).token_ids == Sampler(use_kernel=False)(logits, greedy).token_ids

@@ -99,6 +99,11 @@ class Sampler:
                 u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
         return u
 
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens: the C++ argmax (rows in parallel) where it is built, else torch's."""
+        kernel = kernel_op("argmax_rows") if self.use_kernel else None
+        return kernel(logits.contiguous()) if kernel is not None else logits.argmax(-1)
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[1]
         temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
@@ -120,13 +125,13 @@ class Sampler:
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            sampled = logits.argmax(-1)
+            sampled = self._argmax(logits)
         elif not any(greedy):
             sampled = self._sample(logits, rows)
         else:
             g = torch.tensor(greedy)
             sampled = torch.empty(len(rows), dtype=torch.int64)
-            sampled[g] = logits[g].argmax(-1)
+            sampled[g] = self._argmax(logits[g])
             s = (~g).nonzero().squeeze(1)
             sampled[s] = self._sample(logits[s], [rows[i] for i in s.tolist()])
         if raw_logprobs is None:

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -225,6 +226,52 @@ torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tenso
   return out;
 }
 
+// The first index of each row's maximum (torch.argmax for rows without NaN), rows in parallel: greedy decoding of
+// 256 rows x 49152 was 8 ms of a 215 ms step with torch's argmax.
+int64_t argmax_row(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t index = 0, i = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 vmax = _mm512_set1_ps(best);
+    __m512i vidx = _mm512_setzero_si512();
+    __m512i cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; i + 16 <= n; i += 16, cur = _mm512_add_epi32(cur, step)) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);  // strictly greater: a lane keeps its first
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    }
+    alignas(64) float vals[16];
+    alignas(64) int32_t idxs[16];
+    _mm512_store_ps(vals, vmax);
+    _mm512_store_si512(idxs, vidx);
+    for (int l = 0; l < 16; ++l)
+      if (vals[l] > best || (vals[l] == best && idxs[l] < index)) best = vals[l], index = idxs[l];
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] > best) best = x[i], index = i;
+  return index;
+}
+
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+              "logits must be a contiguous float32 [N, V] tensor");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0 && n < (int64_t{1} << 31), "vocabulary size out of range");
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* lp = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+#pragma omp parallel for if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(lp + r * n, n);
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("sample_from_logits", &sample_from_logits); }
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("sample_from_logits", &sample_from_logits);
+  m.def("argmax_rows", &argmax_rows);
+}
