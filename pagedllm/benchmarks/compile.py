@@ -1,9 +1,11 @@
-"""torch.compile of the model's dense pointwise parts (RMSNorm, RoPE, SiLU-gate) against eager, end to end.
+"""Three ways to run a bf16 decoder layer's dense pointwise parts (RMSNorm, RoPE, SiLU gate, residuals), end to end.
 
-The engine runs eager: this bench is the evidence. It measures single-stream decode, a 512-token prefill and a
-decode step with 64 running requests, first eager, then with those parts replaced by torch.compile(dynamic=True)
-versions of the same code (inductor's C++ backend fuses each into one kernel; the linears and the paged attention
-stay the engine's own kernels, opaque to the compiler).
+- "eager": the model's torch layers, op by op;
+- "compiled": the same torch layers with the pointwise code replaced by torch.compile(dynamic=True) versions
+  (inductor's C++ backend fuses each into one kernel; linears and paged attention stay the engine's kernels);
+- "fused": the engine's default, one C++ call per layer (csrc/decoder_layer.cpp).
+It measures single-stream decode, a 512-token prefill and a decode step with 64 running requests, the three
+modes interleaved. This bench is the evidence for what the engine runs.
 """
 
 from __future__ import annotations
@@ -64,26 +66,31 @@ def run(args: argparse.Namespace) -> None:
         for (owner, name), fn in code.items():
             setattr(owner, name, fn)
 
+    model = llm.engine.runner.model
+    model.fused_layers = False
     use(compiled)
     t0 = time.perf_counter()
     llm.generate([list(range(100, 612))], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for n in (3, 64):  # decode batches of other sizes: dynamic shapes compile once more at most
         llm.generate([[100 + i] * 16 for i in range(n)], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     warmup = time.perf_counter() - t0
-    runs: dict[str, list[dict[str, float]]] = {"eager": [], "compiled": []}
+    modes = (("eager", eager_code, False), ("compiled", compiled, False), ("fused", eager_code, True))
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode, _, _ in modes}
     for r in range(repeat):  # interleaved: this machine's speed drifts by tens of percent between minutes
-        for i, (mode, code) in enumerate((("eager", eager_code), ("compiled", compiled))):
+        for i, (mode, code, fused) in enumerate(modes):
             use(code)
-            runs[mode].append(measure(llm, 1000 + 2000 * (2 * r + i)))
+            model.fused_layers = fused
+            runs[mode].append(measure(llm, 1000 + 2000 * (len(modes) * r + i)))
     use(eager_code)
+    model.fused_layers = True
     med = {mode: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for mode, ms in runs.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {repeat} interleaved runs; "
           f"compile warm-up {warmup:.1f} s")
-    print(f"{'':24}{'eager':>10}{'compiled':>10}{'compiled/eager':>16}")
+    print(f"{'':24}{'eager':>10}{'compiled':>10}{'fused':>10}{'compiled/eager':>16}{'fused/eager':>13}")
     for key, label in (("decode_tok_s", "decode tok/s (1 stream)"), ("prefill_tok_s", "prefill tok/s (512)"),
                        ("step64_ms", "64-request step ms")):
-        e, c = med["eager"][key], med["compiled"][key]
-        print(f"{label:24}{e:10.1f}{c:10.1f}{c / e:16.2f}")
+        e, c, f = (med[mode][key] for mode in ("eager", "compiled", "fused"))
+        print(f"{label:24}{e:10.1f}{c:10.1f}{f:10.1f}{c / e:16.2f}{f / e:13.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
