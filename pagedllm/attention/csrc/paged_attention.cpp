@@ -128,6 +128,14 @@ void load_queries(const Problem& p, const Item& it, float* qbuf, int32_t* pos) {
   }
 }
 
+// A tile's queries into the scratch, its online-softmax state (acc, m, l) empty.
+void start_tile(const Problem& p, const Item& it, Scratch& s, int64_t rows) {
+  load_queries(p, it, s.qbuf.get(), s.pos.data());
+  std::fill(s.acc.get(), s.acc.get() + rows * p.d, 0.f);
+  std::fill(s.m.get(), s.m.get() + rows, kNegInf);
+  std::fill(s.l.get(), s.l.get() + rows, 0.f);
+}
+
 // Writes a finished tile: normalised rows into out, or the unnormalised (m, l, acc) of a context slice.
 void finish(const Problem& p, const Item& it, const float* acc, const float* m, const float* l, float* partials) {
   const int64_t rows = (it.t1 - it.t0) * p.group;
@@ -171,10 +179,7 @@ void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partia
   float* acc = s.acc.get();
   float* m = s.m.get();
   float* l = s.l.get();
-  load_queries(p, it, q, s.pos.data());
-  std::fill(acc, acc + rows * d, 0.f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
+  start_tile(p, it, s, rows);
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
   float* kb = s.kbuf.get();
@@ -373,10 +378,7 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
   float* m = s.m.get();
   float* l = s.l.get();
   const int32_t* pos = s.pos.data();
-  load_queries(p, it, q, s.pos.data());
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.f);
+  start_tile(p, it, s, rows);
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
   Prefetcher pf(table, p.bs, it.k0);
