@@ -10,24 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_BATCH_ROWS = 4  # up to this many rows, bf16 linears (and whole decoder layers) run in the C++ kernels
+SMALL_BATCH_ROWS = 4  # up to this many rows, bf16 linears use the small-GEMM kernel (decoder_layer.cpp: the same)
 _has_bf16_kernels: bool | None = None  # whether the extension built its avx512_bf16 small GEMM; None = not asked yet
 
 
 def bf16_kernel_op(name: str) -> Any:
     """The extension's op `name` where it has the avx512_bf16 small GEMM (which the bf16 decode ops build on),
     else None: the model keeps its torch path there."""
+    from pagedllm.attention.cpu_kernel import kernel_op  # at call time: loading a model builds no kernel
+
     global _has_bf16_kernels
     if _has_bf16_kernels is None:
-        from pagedllm.attention.cpu_kernel import kernel_op
-
         available = kernel_op("small_gemm_available")
         _has_bf16_kernels = available is not None and bool(available())
-    if not _has_bf16_kernels:
-        return None
-    from pagedllm.attention.cpu_kernel import kernel_op
-
-    return kernel_op(name)
+    return kernel_op(name) if _has_bf16_kernels else None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
