@@ -37,17 +37,14 @@ inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-inline __m512 load(const Bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+inline __m512 load(const Bf16* p, __mmask16 m) { return pagedllm::widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 
 inline void store(Bf16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
 inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and loading back gives
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+  return pagedllm::widen_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
 const Bf16* data(const at::Tensor& t) { return reinterpret_cast<const Bf16*>(t.data_ptr()); }

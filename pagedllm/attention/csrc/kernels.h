@@ -29,6 +29,13 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, quiet NaN kept
 }
 
 #if defined(__AVX512F__)
+// 16 bf16 values widened to fp32 (a bf16 is the upper half of an fp32's bits).
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline __m512 load_bf16(const uint16_t* src) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+
 // exp(x): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for the reduction), e^r by its degree-6 Taylor
 // polynomial (relative error ~1e-7), times 2^n with scalef. Below -104 (0 in float) x is clamped.
 inline __m512 exp_ps(__m512 x) {

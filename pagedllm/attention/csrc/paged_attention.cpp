@@ -251,10 +251,7 @@ inline __m512 exp2_ps(__m512 x) {  // 2^x, rel. error ~1e-7; x <= -126 gives ~0 
   return _mm512_scalef_ps(y, xi);
 }
 
-inline __m512 load_bf16(const uint16_t* src) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using pagedllm::load_bf16;
 
 // out[j] = horizontal sum of v[j], j = 0..15.
 inline __m512 reduce16(const __m512* v) {

@@ -21,11 +21,7 @@
 #include <limits>
 #include <vector>
 
-#include "kernels.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"  // (and immintrin.h where AVX-512 is on)
 
 namespace {
 
@@ -160,7 +156,6 @@ int64_t draw(const float* p, int64_t n, uint32_t floor, double target) {
   }
   return last < 0 ? 0 : last;  // target at the very top of the CDF (rounding)
 }
-
 
 // p[i] = exp((logits[i] - max) / temperature)
 void probabilities(const float* logits, int64_t n, float temperature, float* p) {
