@@ -67,6 +67,9 @@ CASES = [
     (32, 12, 3, 128, [0, 63, 31], [100, 1, 2]),
     (16, 6, 2, 32, [3, 0, 700], [1, 130, 1]),
     (8, 6, 3, 40, [0, 21], [19, 4]),  # head_dim 40: portable code path
+    # bf16 decode takes all KV heads of a request in one item when tokens x Hq <= 64 (here 1 and 2 tokens), per
+    # KV head beyond (3 tokens)
+    (16, 32, 8, 128, [500, 37, 0, 90, 3], [1, 2, 3, 1, 2]),
 ]
 
 

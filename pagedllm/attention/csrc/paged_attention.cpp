@@ -2,15 +2,19 @@
 //
 // One work item = (request, KV head, tile of new tokens, slice of the context). All query heads of the KV head's
 // group are handled together, so each K/V row is read once per tile for the whole group (GQA-aware). Softmax is
-// online over chunks of 16 keys; slices of a long context are merged at the end (flash-decoding style).
+// online over chunks of keys; slices of a long context are merged at the end (flash-decoding style).
 //
-// Two inner loops, both fp32 accumulators (bf16 K/V are widened when loaded):
+// Three inner loops, all with fp32 accumulators:
 //   * "dot" path (few query rows, e.g. decode): 16 dot products per row, reduced into one vector of 16 scores;
+//     bf16 K/V are widened when loaded;
+//   * "bf16 dot" path (the same rows when q and the cache are both bf16 and the CPU has AVX512-BF16): the bf16
+//     rows go straight into vdpbf16ps, and an item takes all KV heads of the request (whole K/V token rows, read
+//     as one stream per block; see one_item_per_token_row), with prefetches spread over the chunk's work;
 //   * "lanes" path (>= 16 query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
 //     the row max / rescale of the online softmax are plain vertical vector ops.
-// Both need AVX-512 (compiled with -mavx512* when the CPU has it, see cpu_kernel.py); the portable path is plain
+// They need AVX-512 (compiled with -mavx512* when the CPU has it, see cpu_kernel.py); the portable path is plain
 // C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
-// AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16 (K/V widening needs no special ISA).
+// AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16.
 //
 // Scores are computed in base 2: q is pre-multiplied by scale * log2(e) and exp2 replaces exp.
 
@@ -27,6 +31,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -67,10 +72,24 @@ struct Problem {
 };
 
 struct Item {
-  int32_t r, h, t0, t1;  // request, KV head, new tokens [t0, t1) of the request
+  int32_t r, h, t0, t1;  // request, first KV head, new tokens [t0, t1) of the request
   int32_t k0, k1;        // keys [k0, k1) of the context
   int64_t part;          // offset of this slice's partial result in the partials buffer, -1 = write out directly
+  int32_t nh = 1;        // KV heads h .. h + nh - 1 (more than one on the bf16 decode path only)
 };
+
+// Query rows of an item, head-major: row i = KV head h + i / per_head, token t0 + (i % per_head) / group, query
+// head (h + i / per_head) * group + i % group.
+inline int64_t item_rows(const Problem& p, const Item& it) {
+  return static_cast<int64_t>(it.t1 - it.t0) * p.group * it.nh;
+}
+
+// (token, query head) of row i.
+inline std::pair<int64_t, int64_t> row_of(const Problem& p, const Item& it, int64_t i) {
+  const int64_t per_head = static_cast<int64_t>(it.t1 - it.t0) * p.group;
+  const int64_t hh = i / per_head, rem = i % per_head;
+  return {it.t0 + rem / p.group, (it.h + hh) * p.group + rem % p.group};
+}
 
 struct FreeDeleter {
   void operator()(float* p) const { std::free(p); }
@@ -111,10 +130,9 @@ struct KeyCursor {
 void load_queries(const Problem& p, const Item& it, float* qbuf, int32_t* pos) {
   const int64_t n = p.qsl[it.r + 1] - p.qsl[it.r];
   const int64_t ctx_start = p.seq_lens[it.r] - n;
-  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t rows = item_rows(p, it);
   for (int64_t i = 0; i < rows; ++i) {
-    const int64_t t = it.t0 + i / p.group;
-    const int64_t head = it.h * p.group + i % p.group;
+    const auto [t, head] = row_of(p, it, i);
     const int64_t off = (p.qsl[it.r] + t) * p.q_tok_stride + head * p.q_head_stride;
     float* dst = qbuf + i * p.d;
     if (p.q_bf16) {
@@ -138,7 +156,7 @@ void start_tile(const Problem& p, const Item& it, Scratch& s, int64_t rows) {
 
 // Writes a finished tile: normalised rows into out, or the unnormalised (m, l, acc) of a context slice.
 void finish(const Problem& p, const Item& it, const float* acc, const float* m, const float* l, float* partials) {
-  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t rows = item_rows(p, it);
   if (it.part >= 0) {
     float* dst = partials + it.part;
     std::memcpy(dst, m, rows * sizeof(float));
@@ -147,8 +165,7 @@ void finish(const Problem& p, const Item& it, const float* acc, const float* m, 
     return;
   }
   for (int64_t i = 0; i < rows; ++i) {
-    const int64_t t = it.t0 + i / p.group;
-    const int64_t head = it.h * p.group + i % p.group;
+    const auto [t, head] = row_of(p, it, i);
     const int64_t off = ((p.qsl[it.r] + t) * p.hq + head) * p.d;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     const float* a = acc + i * p.d;
@@ -174,7 +191,7 @@ void finish(const Problem& p, const Item& it, const float* acc, const float* m, 
 // Portable path: plain loops, one row at a time over chunks of keys.
 void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partials) {
   const int64_t d = p.d;
-  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t rows = item_rows(p, it);
   float* q = s.qbuf.get();
   float* acc = s.acc.get();
   float* m = s.m.get();
@@ -369,7 +386,7 @@ template <int ND>
 void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
   constexpr int D = ND * 16;
   constexpr int kGroup = 16 / ND;  // rows whose accumulators fit in registers together
-  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t rows = item_rows(p, it);
   float* q = s.qbuf.get();
   float* acc = s.acc.get();
   float* m = s.m.get();
@@ -420,12 +437,196 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
   finish(p, it, acc, m, l, partials);
 }
 
+#if defined(__AVX512BF16__)
+// "dot" path for bf16 queries over a bf16 cache (decode and short prefills of bf16 models): the raw bf16 rows
+// go straight into vdpbf16ps, nothing is widened. Scores: q . k with fp32 sums of exact bf16 products, scaled
+// afterwards. Values: the probabilities of a pair of keys are rounded to bf16 (as transformers' eager attention
+// rounds its softmax before the V matmul) and the two V rows interleaved, so one vdpbf16ps adds both keys into
+// 16 fp32 accumulators. The interleave permutes dims within each 32-dim block; unpermute_rows undoes it.
+constexpr int kPairChunk = 32;  // keys per online-softmax step
+
+// Raw bf16 row pointers of the next nk keys; missing keys (past the context) point at the first row.
+inline void chunk_ptrs(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, const uint16_t** kr,
+                       const uint16_t** vr) {
+  const uint16_t* kc = static_cast<const uint16_t*>(p.kc) + h * p.d;  // first head of the item
+  const uint16_t* vc = static_cast<const uint16_t*>(p.vc) + h * p.d;
+  for (int64_t j = 0; j < nk; ++j, cur.next()) {
+    const int64_t off = cur.slot() * p.kv_tok_stride;
+    kr[j] = kc + off;
+    vr[j] = vc + off;
+  }
+  for (int64_t j = nk; j < kPairChunk; ++j) {
+    kr[j] = kr[0];
+    vr[j] = vr[0];
+  }
+}
+
+// Prefetch of one cache line of the next chunk. The prefetches are spread over the chunk's work (the first query
+// row of each KV head fetches its K rows while computing scores, the first value group its V rows), not issued as
+// one burst: a burst of hundreds of lines fills the core's miss buffers and stalls the loop until they arrive.
+// NTA: the lines are read once, they should not evict the chunk being computed from L1.
+inline void prefetch_line(const uint16_t* a) { _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_NTA); }
+
+// 16 scores of one query row against keys kr[0..15] + koff (unscaled, fp32 sums).
+template <int NB>
+inline __m512 scores16(const __m512bh* qv, const uint16_t* const* kr, int64_t koff, const uint16_t* const* pf) {
+  __m512 sacc[16];
+  for (int j = 0; j < 16; ++j) {
+    if (pf)
+      for (int b = 0; b < NB; ++b) prefetch_line(pf[j] + koff + 32 * b);
+    __m512 a = _mm512_setzero_ps();
+    for (int b = 0; b < NB; ++b)
+      a = _mm512_dpbf16_ps(a, qv[b], (__m512bh)_mm512_loadu_si512(kr[j] + koff + 32 * b));
+    sacc[j] = a;
+  }
+  return reduce16(sacc);
+}
+
+// acc[g] = acc[g] * alpha[g] + sum_j p[g][j] V[j] for G rows, keys taken in pairs (pp: per row, kPairChunk / 2
+// bf16 pairs as 32-bit words); acc in the interleaved dim order.
+template <int NB, int G>
+inline void accumulate_pairs(float* acc, const float* alpha, const uint32_t* pp, const uint16_t* const* vr,
+                             int64_t voff, int64_t npairs, const uint16_t* const* pf) {
+  constexpr int D = NB * 32;
+  __m512 a[G][2 * NB];
+  for (int g = 0; g < G; ++g) {
+    const __m512 al = _mm512_set1_ps(alpha[g]);
+    for (int e = 0; e < 2 * NB; ++e) a[g][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + e * 16), al);
+  }
+  for (int64_t m = 0; m < npairs; ++m) {
+    if (pf)
+      for (int b = 0; b < NB; ++b) {
+        prefetch_line(pf[2 * m] + voff + 32 * b);
+        prefetch_line(pf[2 * m + 1] + voff + 32 * b);
+      }
+    __m512i v[2 * NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i x = _mm512_loadu_si512(vr[2 * m] + voff + 32 * b);
+      const __m512i y = _mm512_loadu_si512(vr[2 * m + 1] + voff + 32 * b);
+      v[2 * b] = _mm512_unpacklo_epi16(x, y);
+      v[2 * b + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * (kPairChunk / 2) + m]));
+      for (int e = 0; e < 2 * NB; ++e) a[g][e] = _mm512_dpbf16_ps(a[g][e], w, (__m512bh)v[e]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; e < 2 * NB; ++e) _mm512_storeu_ps(acc + g * D + e * 16, a[g][e]);
+}
+
+template <int NB, int G>
+inline void accumulate_pair_rows(int64_t n, float* acc, const float* alpha, const uint32_t* pp,
+                                 const uint16_t* const* vr, int64_t voff, int64_t npairs, const uint16_t* const* pf) {
+  if constexpr (G > 1) {
+    if (n < G) return accumulate_pair_rows<NB, G - 1>(n, acc, alpha, pp, vr, voff, npairs, pf);
+  }
+  accumulate_pairs<NB, G>(acc, alpha, pp, vr, voff, npairs, pf);
+}
+
+// Back to natural dim order: in each 32-dim block, the low accumulator holds dims 8k..8k+3 in its 128-bit lane k,
+// the high one dims 8k+4..8k+7.
+template <int NB>
+inline void unpermute_rows(float* acc, int64_t rows) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t i = 0; i < rows * NB; ++i) {
+    float* blk = acc + i * 32;
+    const __m512 lo = _mm512_loadu_ps(blk), hi = _mm512_loadu_ps(blk + 16);
+    _mm512_storeu_ps(blk, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(blk + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
+template <int ND>
+void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  constexpr int D = ND * 16;
+  constexpr int NB = ND / 2;        // 32-element bf16 vectors per row
+  constexpr int kGroup = 16 / ND;   // rows whose accumulators fit in registers together
+  constexpr int kPairs = kPairChunk / 2;
+  const int64_t rows = item_rows(p, it);  // <= kMaxRows
+  const int64_t per_head = rows / it.nh;
+  const int64_t n_new = p.qsl[it.r + 1] - p.qsl[it.r];
+  float* acc = s.acc.get();
+  alignas(64) float m[kMaxRows], l[kMaxRows], alpha[kMaxRows], mnew[kMaxRows], psum[kMaxRows];
+  alignas(64) uint32_t pp[kMaxRows * kPairs];
+  int32_t pos[kMaxRows];
+  const uint16_t* qrow[kMaxRows];
+  std::fill(m, m + kMaxRows, kNegInf);
+  std::fill(mnew, mnew + kMaxRows, kNegInf);
+  std::fill(l, l + kMaxRows, 0.f);
+  std::fill(psum, psum + kMaxRows, 0.f);
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto [t, head] = row_of(p, it, i);
+    qrow[i] = static_cast<const uint16_t*>(p.q) + (p.qsl[it.r] + t) * p.q_tok_stride + head * p.q_head_stride;
+    pos[i] = static_cast<int32_t>(p.seq_lens[it.r] - n_new + t);
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  const __m512 qscale = _mm512_set1_ps(p.qscale);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
+  KeyCursor cur(table, p.bs, it.k0);
+  const uint16_t* ptrs[4][kPairChunk];  // K and V rows of this chunk and of the next one
+  const uint16_t **kr = ptrs[0], **vr = ptrs[1], **kn = ptrs[2], **vn = ptrs[3];
+  chunk_ptrs(p, it.h, cur, std::min<int64_t>(kPairChunk, it.k1 - it.k0), kr, vr);
+  for (int64_t c = it.k0; c < it.k1; c += kPairChunk) {
+    const int64_t nk = std::min<int64_t>(kPairChunk, it.k1 - c);
+    const bool has_next = c + kPairChunk < it.k1;
+    if (has_next) chunk_ptrs(p, it.h, cur, std::min<int64_t>(kPairChunk, it.k1 - c - kPairChunk), kn, vn);
+    const uint16_t* const* kpf = has_next ? kn : nullptr;
+    const uint16_t* const* vpf = has_next ? vn : nullptr;
+    int64_t nv_max = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t nv = std::clamp<int64_t>(pos[i] - c + 1, 0, nk);  // causal: keys up to the row's position
+      nv_max = std::max(nv_max, nv);
+      const __mmask16 m0 = static_cast<__mmask16>(nv >= 16 ? 0xffffu : (1u << nv) - 1u);
+      const __mmask16 m1 = static_cast<__mmask16>(nv >= 32 ? 0xffffu : nv > 16 ? (1u << (nv - 16)) - 1u : 0u);
+      __m512bh qv[NB];
+      for (int b = 0; b < NB; ++b) qv[b] = (__m512bh)_mm512_loadu_si512(qrow[i] + 32 * b);
+      const int64_t koff = i / per_head * D;  // this row's KV head within the token row
+      const bool first = i % per_head == 0;   // the head's first row prefetches its K rows of the next chunk
+      const __m512 s0 = _mm512_mul_ps(scores16<NB>(qv, kr, koff, first ? kpf : nullptr), qscale);
+      const __m512 s1 = nv > 16 ? _mm512_mul_ps(scores16<NB>(qv, kr + 16, koff, first && kpf ? kpf + 16 : nullptr),
+                                                qscale)
+                                : neg_inf;
+      const __m512 smax = _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, m0, s0), _mm512_mask_mov_ps(neg_inf, m1, s1));
+      const float mn = std::max(m[i], _mm512_reduce_max_ps(smax));
+      mnew[i] = mn;
+      const __m512 mv = _mm512_set1_ps(mn == kNegInf ? 0.f : mn);
+      const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(s0, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(s1, mv)));
+      psum[i] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // bf16 pairs (p0, p1), (p2, p3), ...
+      _mm512_store_si512(pp + i * kPairs, (__m512i)pb);
+    }
+    // all rows at once: alpha = 2^(m_old - m_new), 1 where both are -inf (no key seen yet)
+    for (int64_t i = 0; i < rows; i += 16) {
+      const __m512 mo = _mm512_load_ps(m + i), mw = _mm512_load_ps(mnew + i);
+      const __m512 al = exp2_ps(_mm512_maskz_sub_ps(_mm512_cmp_ps_mask(mo, mw, _CMP_NEQ_OQ), mo, mw));
+      _mm512_store_ps(alpha + i, al);
+      _mm512_store_ps(l + i, _mm512_fmadd_ps(_mm512_load_ps(l + i), al, _mm512_load_ps(psum + i)));
+      _mm512_store_ps(m + i, mw);
+    }
+    const int64_t npairs = (nv_max + 1) / 2;
+    for (int64_t hh = 0; hh < it.nh; ++hh)
+      for (int64_t i = hh * per_head; i < (hh + 1) * per_head; i += kGroup)
+        accumulate_pair_rows<NB, kGroup>(std::min<int64_t>(kGroup, (hh + 1) * per_head - i), acc + i * D,
+                                         alpha + i, pp + i * kPairs, vr, hh * D, npairs,
+                                         i == hh * per_head ? vpf : nullptr);  // one prefetching group per head
+    std::swap(kr, kn);
+    std::swap(vr, vn);
+  }
+  unpermute_rows<NB>(acc, rows);
+  finish(p, it, acc, m, l, partials);
+}
+#endif
+
 // "lanes" path: >= 16 rows (prefill). Rows sit in vector lanes: Q and the accumulator are kept transposed
 // ([D][rows]), K/V elements are broadcast from a packed chunk.
 template <int ND>
 void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials) {
   constexpr int D = ND * 16;
-  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t rows = item_rows(p, it);
   const int64_t nvec = (rows + 15) / 16;
   const int64_t mp = nvec * 16;
   float* q = s.qbuf.get();
@@ -505,6 +706,10 @@ template <int ND>
 void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) {
   if ((it.t1 - it.t0) * p.group >= 16)
     attend_lanes<ND>(p, it, s, partials);
+#if defined(__AVX512BF16__)
+  else if (p.q_bf16 && p.kv_bf16)
+    attend_dot_bf16<ND>(p, it, s, partials);
+#endif
   else
     attend_dot<ND>(p, it, s, partials);
 }
@@ -528,7 +733,7 @@ AttendFn pick(int64_t d, int64_t impl) {
 // Merge the context slices of one tile: out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
 void merge(const Problem& p, const Item* slices, int64_t nslices, const float* partials) {
   const Item& it = slices[0];
-  const int64_t rows = (it.t1 - it.t0) * p.group;
+  const int64_t rows = item_rows(p, it);
   std::vector<float> acc(rows * p.d, 0.f), m(rows, kNegInf), l(rows, 0.f);
   for (int64_t i = 0; i < rows; ++i) {
     float mx = kNegInf;
@@ -547,6 +752,18 @@ void merge(const Problem& p, const Item* slices, int64_t nslices, const float* p
   Item direct = it;
   direct.part = -1;
   finish(p, direct, acc.data(), m.data(), l.data(), nullptr);
+}
+
+// The bf16 dot path takes all KV heads of a tile in one item when their rows fit: each key's K and V rows are
+// then read whole (hkv * D contiguous elements), a block of keys as one stream.
+bool one_item_per_token_row(const Problem& p, int64_t impl, int64_t tokens) {
+#if PA_AVX512 && defined(__AVX512BF16__)
+  return impl != 1 && p.q_bf16 && p.kv_bf16 && (p.d == 32 || p.d == 64 || p.d == 128) &&
+         tokens * p.group < 16 && tokens * p.hq <= kMaxRows;
+#else
+  (void)p, (void)impl, (void)tokens;
+  return false;
+#endif
 }
 
 bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::ScalarType::BFloat16; }
@@ -616,6 +833,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     }
     for (int32_t t0 = 0; t0 < n; t0 += static_cast<int32_t>(tile_tokens)) {
       const int32_t t1 = std::min<int32_t>(n, t0 + static_cast<int32_t>(tile_tokens));
+      if (one_item_per_token_row(p, impl, t1 - t0)) {
+        items.push_back({static_cast<int32_t>(r), 0, t0, t1, 0, len - n + t1, -1, static_cast<int32_t>(p.hkv)});
+        continue;
+      }
       for (int32_t h = 0; h < p.hkv; ++h)
         items.push_back({static_cast<int32_t>(r), h, t0, t1, 0, len - n + t1, -1});
     }
@@ -625,7 +846,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   // Small batches run on the calling thread: waking a second thread costs microseconds on a quiet machine and
   // milliseconds on a busy one. Work is counted in (key x query row) pairs, ~5-10 ns each.
   int64_t total = 0;
-  for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * (it.t1 - it.t0) * p.group;
+  for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * item_rows(p, it);
   const int64_t threads = std::clamp<int64_t>(total / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
   // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
   const int64_t want = min_items > 0 ? min_items : (threads > 1 ? 4 * threads : 1);
@@ -643,7 +864,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     }
     const int64_t span = ((keys + ns - 1) / ns + kChunk - 1) / kChunk * kChunk;
     const int64_t begin = static_cast<int64_t>(work.size());
-    const int64_t rows = (it.t1 - it.t0) * p.group;
+    const int64_t rows = item_rows(p, it);
     for (int64_t k0 = it.k0; k0 < it.k1; k0 += span) {
       Item sl = it;
       sl.k0 = static_cast<int32_t>(k0);
@@ -659,7 +880,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     const Item &x = work[a], &y = work[b];
-    return static_cast<int64_t>(x.k1 - x.k0) * (x.t1 - x.t0) > static_cast<int64_t>(y.k1 - y.k0) * (y.t1 - y.t0);
+    return (x.k1 - x.k0) * item_rows(p, x) > (y.k1 - y.k0) * item_rows(p, y);
   });
   std::vector<float> partials(partial_floats);
   const AttendFn fn = pick(p.d, impl);
