@@ -11,7 +11,10 @@
 //     rows go straight into vdpbf16ps, and an item takes all KV heads of the request (whole K/V token rows, read
 //     as one stream per block; see one_item_per_token_row), with prefetches spread over the chunk's work;
 //   * "lanes" path (>= 16 query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
-//     the row max / rescale of the online softmax are plain vertical vector ops.
+//     the row max / rescale of the online softmax are plain vertical vector ops; with bf16 q and cache on an
+//     AVX512-BF16 CPU, pairs of bf16 elements are broadcast into vdpbf16ps instead (attend_lanes_bf16).
+// The bf16 paths round the softmax probabilities to bf16 before they multiply V, as transformers' eager
+// attention does for bf16 models; sums stay fp32.
 // They need AVX-512 (compiled with -mavx512* when the CPU has it, see cpu_kernel.py); the portable path is plain
 // C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
 // AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16.
@@ -621,6 +624,33 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
 }
 #endif
 
+// Online softmax step of the lanes paths for 16 rows (lanes) and the chunk's keys c .. c + nk - 1: masks keys
+// after each row's position, updates the running max m and sum l, turns the (scaled) scores s[j] into the
+// probabilities and returns the rescale factor of the rows' accumulators.
+inline __m512 lanes_softmax(__m512* s, const int32_t* pos, int64_t c, int64_t nk, __m512& m, __m512& l) {
+  const __m512i posv = _mm512_loadu_si512(pos);
+  __mmask16 vm[kChunk];
+  __m512 mb = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < kChunk; ++j) {
+    vm[j] = j < nk ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32(static_cast<int32_t>(c + j)), _MM_CMPINT_NLT)
+                   : static_cast<__mmask16>(0);
+    mb = _mm512_mask_max_ps(mb, vm[j], mb, s[j]);
+  }
+  const __m512 mn = _mm512_max_ps(m, mb);
+  // rows with no valid key yet keep m = -inf; use 0 there so that exp2 sees no inf - inf
+  const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                                       _mm512_setzero_ps());
+  const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mu));
+  __m512 lsum = _mm512_setzero_ps();
+  for (int j = 0; j < kChunk; ++j) {
+    s[j] = _mm512_maskz_mov_ps(vm[j], exp2_ps(_mm512_sub_ps(s[j], mu)));
+    lsum = _mm512_add_ps(lsum, s[j]);
+  }
+  l = _mm512_fmadd_ps(l, alpha, lsum);
+  m = mn;
+  return alpha;
+}
+
 // "lanes" path: >= 16 rows (prefill). Rows sit in vector lanes: Q and the accumulator are kept transposed
 // ([D][rows]), K/V elements are broadcast from a packed chunk.
 template <int ND>
@@ -661,26 +691,7 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
         const __m512 qd = _mm512_loadu_ps(qt + e * mp + v * 16);
         for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[j * D + e]), sacc[j]);
       }
-      const __m512i posv = _mm512_loadu_si512(pos + v * 16);
-      __mmask16 vm[kChunk];
-      __m512 mb = _mm512_set1_ps(kNegInf);
-      for (int j = 0; j < kChunk; ++j) {
-        vm[j] = j < nk ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32(static_cast<int32_t>(c + j)), _MM_CMPINT_NLT)
-                       : static_cast<__mmask16>(0);
-        mb = _mm512_mask_max_ps(mb, vm[j], mb, sacc[j]);
-      }
-      const __m512 mn = _mm512_max_ps(mv[v], mb);
-      // rows with no valid key yet keep m = -inf; use 0 there so that exp2 sees no inf - inf
-      const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
-                                           _mm512_setzero_ps());
-      const __m512 alpha = exp2_ps(_mm512_sub_ps(mv[v], mu));
-      __m512 lsum = _mm512_setzero_ps();
-      for (int j = 0; j < kChunk; ++j) {
-        sacc[j] = _mm512_maskz_mov_ps(vm[j], exp2_ps(_mm512_sub_ps(sacc[j], mu)));
-        lsum = _mm512_add_ps(lsum, sacc[j]);
-      }
-      lv[v] = _mm512_fmadd_ps(lv[v], alpha, lsum);
-      mv[v] = mn;
+      const __m512 alpha = lanes_softmax(sacc, pos + v * 16, c, nk, mv[v], lv[v]);
       for (int e0 = 0; e0 < D; e0 += 8) {
         __m512 a[8];
         for (int e = 0; e < 8; ++e) a[e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (e0 + e) * mp + v * 16), alpha);
@@ -702,14 +713,116 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
   finish(p, it, acc, m, l, partials);
 }
 
+#if defined(__AVX512BF16__)
+// Dim held at position q of a row whose V pairs were interleaved by unpacklo/hi_epi16 per 32-dim block (see
+// unpermute_rows): the low half of the block has dims 8k..8k+3 in 128-bit lane k, the high half 8k+4..8k+7.
+constexpr int pair_dim(int q) { return q / 32 * 32 + (q % 16) / 4 * 8 + (q % 32) / 16 * 4 + q % 4; }
+
+// "lanes" path for bf16 queries over a bf16 cache (prefill of bf16 models): as attend_lanes, with vdpbf16ps.
+// Scores: the query pairs (q[e], q[e+1]) of 16 rows against a broadcast key pair, straight from the bf16 rows.
+// Values: the probabilities of keys j, j+1 are rounded to bf16 and interleaved per row, the V rows of the chunk
+// packed as pairs (v[j][e], v[j+1][e]), so one instruction adds two keys for 16 rows.
+template <int ND>
+void attend_lanes_bf16(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  constexpr int D = ND * 16;
+  constexpr int NB = ND / 2;  // 32-element bf16 vectors per row
+  constexpr int NP = D / 2;   // bf16 pairs per row
+  const int64_t rows = item_rows(p, it);
+  const int64_t nvec = (rows + 15) / 16;
+  const int64_t mp = nvec * 16;
+  uint32_t* qt = reinterpret_cast<uint32_t*>(s.qbuf.get());  // query pairs, transposed [NP][mp] (raw, unscaled)
+  float* accT = s.accT.get();                                  // [D][mp], dims in pair_dim order
+  uint16_t* kb = reinterpret_cast<uint16_t*>(s.kbuf.get());    // the chunk's K rows, packed [kChunk][D]
+  uint32_t* vp = reinterpret_cast<uint32_t*>(s.vbuf.get());    // the chunk's V pairs [kChunk / 2][D]
+  int32_t* pos = s.pos.data();
+  const int64_t n_new = p.qsl[it.r + 1] - p.qsl[it.r];
+  for (int64_t i = 0; i < mp; ++i) {
+    const auto [t, head] = row_of(p, it, std::min(i, rows - 1));  // padding rows repeat the last one
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(p.q) +
+                                                            (p.qsl[it.r] + t) * p.q_tok_stride +
+                                                            head * p.q_head_stride);
+    for (int64_t e = 0; e < NP; ++e) qt[e * mp + i] = src[e];
+    pos[i] = static_cast<int32_t>(p.seq_lens[it.r] - n_new + t);
+  }
+  std::fill(accT, accT + D * mp, 0.f);
+  __m512 mv[kMaxRows / 16], lv[kMaxRows / 16];
+  for (int v = 0; v < nvec; ++v) {
+    mv[v] = _mm512_set1_ps(kNegInf);
+    lv[v] = _mm512_setzero_ps();
+  }
+  // interleaves two vectors of 16 bf16 probabilities (keys j, j + 1) into 16 pairs, one per row
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 qscale = _mm512_set1_ps(p.qscale);
+  const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
+  KeyCursor cur(table, p.bs, it.k0);
+  const uint16_t* kr[kPairChunk];
+  const uint16_t* vr[kPairChunk];
+  for (int64_t c = it.k0; c < it.k1; c += kChunk) {
+    const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    chunk_ptrs(p, it.h, cur, nk, kr, vr);
+    for (int j = 0; j < kChunk; ++j)
+      for (int b = 0; b < NB; ++b) _mm512_store_si512(kb + j * D + 32 * b, _mm512_loadu_si512(kr[j] + 32 * b));
+    for (int m = 0; m < kChunk / 2; ++m)
+      for (int b = 0; b < NB; ++b) {
+        const __m512i x = _mm512_loadu_si512(vr[2 * m] + 32 * b), y = _mm512_loadu_si512(vr[2 * m + 1] + 32 * b);
+        _mm512_store_si512(vp + m * D + 32 * b, _mm512_unpacklo_epi16(x, y));
+        _mm512_store_si512(vp + m * D + 32 * b + 16, _mm512_unpackhi_epi16(x, y));
+      }
+    const uint32_t* kw = reinterpret_cast<const uint32_t*>(kb);
+    for (int v = 0; v < nvec; ++v) {
+      if (pos[v * 16 + 15] < c) continue;  // positions grow with the row: every row of v is before this chunk
+      __m512 sacc[kChunk];
+      for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_setzero_ps();
+      for (int e = 0; e < NP; ++e) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(qt + e * mp + v * 16);
+        for (int j = 0; j < kChunk; ++j)
+          sacc[j] = _mm512_dpbf16_ps(sacc[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(kw[j * NP + e])));
+      }
+      for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_mul_ps(sacc[j], qscale);
+      const __m512 alpha = lanes_softmax(sacc, pos + v * 16, c, nk, mv[v], lv[v]);
+      __m512i pw[kChunk / 2];  // per row: bf16 pair (p[j], p[j + 1]) of key pair j / 2
+      for (int m = 0; m < kChunk / 2; ++m)
+        pw[m] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(sacc[2 * m + 1], sacc[2 * m]));
+      for (int q0 = 0; q0 < D; q0 += 8) {
+        __m512 a[8];
+        for (int e = 0; e < 8; ++e) a[e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (q0 + e) * mp + v * 16), alpha);
+        for (int m = 0; m < kChunk / 2; ++m)
+          for (int e = 0; e < 8; ++e)
+            a[e] = _mm512_dpbf16_ps(a[e], (__m512bh)pw[m],
+                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[m * D + q0 + e])));
+        for (int e = 0; e < 8; ++e) _mm512_storeu_ps(accT + (q0 + e) * mp + v * 16, a[e]);
+      }
+    }
+  }
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  for (int v = 0; v < nvec; ++v) {
+    _mm512_storeu_ps(m + v * 16, mv[v]);
+    _mm512_storeu_ps(l + v * 16, lv[v]);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int q = 0; q < D; ++q) acc[i * D + pair_dim(q)] = accT[q * mp + i];
+  finish(p, it, acc, m, l, partials);
+}
+#endif
+
 template <int ND>
 void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) {
-  if ((it.t1 - it.t0) * p.group >= 16)
-    attend_lanes<ND>(p, it, s, partials);
+  const bool lanes = (it.t1 - it.t0) * p.group >= 16;
 #if defined(__AVX512BF16__)
-  else if (p.q_bf16 && p.kv_bf16)
-    attend_dot_bf16<ND>(p, it, s, partials);
+  if (p.q_bf16 && p.kv_bf16) {
+    if (lanes)
+      attend_lanes_bf16<ND>(p, it, s, partials);
+    else
+      attend_dot_bf16<ND>(p, it, s, partials);
+    return;
+  }
 #endif
+  if (lanes)
+    attend_lanes<ND>(p, it, s, partials);
   else
     attend_dot<ND>(p, it, s, partials);
 }
