@@ -108,6 +108,7 @@ inline Buf alloc_floats(size_t n) {
 struct Scratch {
   Buf qbuf, acc, accT, m, l, kbuf, vbuf;
   std::vector<int32_t> pos;
+  const Item* next = nullptr;  // the item this thread takes next (the bf16 dot path prefetches its first keys)
   explicit Scratch(int64_t d)
       : qbuf(alloc_floats(kMaxRows * d)), acc(alloc_floats(kMaxRows * d)), accT(alloc_floats(kMaxRows * d)),
         m(alloc_floats(kMaxRows)), l(alloc_floats(kMaxRows)), kbuf(alloc_floats(kChunk * d)),
@@ -579,9 +580,17 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
   for (int64_t c = it.k0; c < it.k1; c += kPairChunk) {
     const int64_t nk = std::min<int64_t>(kPairChunk, it.k1 - c);
     const bool has_next = c + kPairChunk < it.k1;
-    if (has_next) chunk_ptrs(p, it.h, cur, std::min<int64_t>(kPairChunk, it.k1 - c - kPairChunk), kn, vn);
-    const uint16_t* const* kpf = has_next ? kn : nullptr;
-    const uint16_t* const* vpf = has_next ? vn : nullptr;
+    // the next chunk's rows to prefetch: this item's, or in its last chunk the first ones of the thread's next item
+    const Item* nx = s.next;
+    const bool next_item = !has_next && nx && nx->nh == it.nh;
+    if (has_next) {
+      chunk_ptrs(p, it.h, cur, std::min<int64_t>(kPairChunk, it.k1 - c - kPairChunk), kn, vn);
+    } else if (next_item) {
+      KeyCursor ncur(p.bt + static_cast<int64_t>(nx->r) * p.maxb, p.bs, nx->k0);
+      chunk_ptrs(p, nx->h, ncur, std::min<int64_t>(kPairChunk, nx->k1 - nx->k0), kn, vn);
+    }
+    const uint16_t* const* kpf = has_next || next_item ? kn : nullptr;
+    const uint16_t* const* vpf = has_next || next_item ? vn : nullptr;
     int64_t nv_max = 0;
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t nv = std::clamp<int64_t>(pos[i] - c + 1, 0, nk);  // causal: keys up to the row's position
@@ -1011,8 +1020,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthr, 1, [&](int64_t, int64_t) {
     Scratch scratch(p.d);
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < nwork;)
+    // each thread claims its next item before working on the current one, so that the current one's last
+    // chunk can prefetch the next one's first keys
+    for (int64_t w = next.fetch_add(1, std::memory_order_relaxed); w < nwork;) {
+      const int64_t w2 = next.fetch_add(1, std::memory_order_relaxed);
+      scratch.next = w2 < nwork ? &work[order[w2]] : nullptr;
       fn(p, work[order[w]], scratch, partials.data());
+      w = w2;
+    }
   });
   if (!groups.empty()) {
     at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
