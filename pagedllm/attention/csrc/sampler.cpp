@@ -77,14 +77,25 @@ uint32_t cutoff_key(const float* p, int64_t n, uint32_t floor, double target, bo
     m += k >= floor;
   }
   constexpr int kLanes = 4;  // interleaved histograms break the store-to-load chain on runs of equal bins
-  std::array<double, 2048 * kLanes> lanes{};
-  for (int64_t j = 0; j < m; ++j)
-    lanes[(members[j] >> 20) * kLanes + (j & (kLanes - 1))] += by_mass ? value_of(members[j]) : 1.0;
-  std::array<double, 2048> hist{};
-  for (int b = 0; b < 2048; ++b)
-    for (int l = 0; l < kLanes; ++l) hist[b] += lanes[b * kLanes + l];
+  // all zero between calls: only the bins the members touch are summed and reset (zeroing and summing all 8192
+  // lanes for every row cost more than the histogram itself once top-p leaves few members)
+  thread_local std::array<double, 2048 * kLanes> lanes{};
+  uint32_t lo = 2047, hi = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const uint32_t b = members[j] >> 20;
+    lanes[b * kLanes + (j & (kLanes - 1))] += by_mass ? value_of(members[j]) : 1.0;
+    lo = std::min(lo, b);
+    hi = std::max(hi, b);
+  }
+  std::array<double, 2048> hist;
+  hist.fill(0.0);
+  for (uint32_t b = lo; m > 0 && b <= hi; ++b)
+    for (int l = 0; l < kLanes; ++l) {
+      hist[b] += lanes[b * kLanes + l];
+      lanes[b * kLanes + l] = 0.0;
+    }
   double acc = 0.0;
-  const int top = crossing_bin(hist.data(), 2048, target, acc);
+  const int top = crossing_bin(hist.data(), m > 0 ? static_cast<int>(hi) + 1 : 0, target, acc);
   if (top < 0) return floor;
   int64_t kept = 0;
   for (int64_t j = 0; j < m; ++j) {
@@ -160,10 +171,15 @@ int64_t draw(const float* p, int64_t n, uint32_t floor, double target) {
 // p[i] = exp((logits[i] - max) / temperature)
 void probabilities(const float* logits, int64_t n, float temperature, float* p) {
   float mx = logits[0];
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, logits[i]);
-  const float inv_t = 1.0f / temperature;
   int64_t i = 0;
+#if defined(__AVX512F__)  // (the compiler keeps a plain max loop scalar: std::max's NaN order)
+  __m512 vmax = _mm512_set1_ps(mx);
+  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(logits + i));
+  mx = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, logits[i]);
+  const float inv_t = 1.0f / temperature;
+  i = 0;
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
   for (; i + 16 <= n; i += 16)
