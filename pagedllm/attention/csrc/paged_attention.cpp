@@ -734,6 +734,52 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
 // unpermute_rows): the low half of the block has dims 8k..8k+3 in 128-bit lane k, the high half 8k+4..8k+7.
 constexpr int pair_dim(int q) { return q / 32 * 32 + (q % 16) / 4 * 8 + (q % 32) / 16 * 4 + q % 4; }
 
+// One chunk of attend_lanes_bf16 for the VN row vectors v .. v + VN - 1: scores, online softmax, values. With
+// VN = 2 every broadcast key pair and value pair feeds two vectors (a load per two vdpbf16ps instead of one).
+template <int ND, int VN>
+inline void lanes_chunk_bf16(const uint32_t* qt, int64_t mp, int v, const uint32_t* kw, const uint32_t* vp,
+                             const int32_t* pos, int64_t c, int64_t nk, __m512* mv, __m512* lv, float* accT,
+                             __m512 qscale, __m512i interleave) {
+  constexpr int D = ND * 16;
+  constexpr int NP = D / 2;
+  constexpr int J = kChunk / VN;  // keys per pass, so that VN x J accumulators fit in registers
+  __m512 sc[VN][kChunk];
+  for (int h = 0; h < kChunk; h += J) {
+    __m512 a[VN][J];
+    for (int x = 0; x < VN; ++x)
+      for (int j = 0; j < J; ++j) a[x][j] = _mm512_setzero_ps();
+    for (int e = 0; e < NP; ++e) {
+      __m512bh qd[VN];
+      for (int x = 0; x < VN; ++x) qd[x] = (__m512bh)_mm512_loadu_si512(qt + e * mp + (v + x) * 16);
+      for (int j = 0; j < J; ++j) {
+        const __m512bh kp = (__m512bh)_mm512_set1_epi32(static_cast<int>(kw[(h + j) * NP + e]));
+        for (int x = 0; x < VN; ++x) a[x][j] = _mm512_dpbf16_ps(a[x][j], qd[x], kp);
+      }
+    }
+    for (int x = 0; x < VN; ++x)
+      for (int j = 0; j < J; ++j) sc[x][h + j] = _mm512_mul_ps(a[x][j], qscale);
+  }
+  __m512 alpha[VN];
+  __m512i pw[VN][kChunk / 2];  // per row: bf16 pair (p[j], p[j + 1]) of key pair j / 2
+  for (int x = 0; x < VN; ++x) {
+    alpha[x] = lanes_softmax(sc[x], pos + (v + x) * 16, c, nk, mv[v + x], lv[v + x]);
+    for (int m = 0; m < kChunk / 2; ++m)
+      pw[x][m] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(sc[x][2 * m + 1], sc[x][2 * m]));
+  }
+  for (int q0 = 0; q0 < D; q0 += 8) {
+    __m512 a[VN][8];
+    for (int x = 0; x < VN; ++x)
+      for (int e = 0; e < 8; ++e) a[x][e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (q0 + e) * mp + (v + x) * 16), alpha[x]);
+    for (int m = 0; m < kChunk / 2; ++m)
+      for (int e = 0; e < 8; ++e) {
+        const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[m * D + q0 + e]));
+        for (int x = 0; x < VN; ++x) a[x][e] = _mm512_dpbf16_ps(a[x][e], (__m512bh)pw[x][m], vv);
+      }
+    for (int x = 0; x < VN; ++x)
+      for (int e = 0; e < 8; ++e) _mm512_storeu_ps(accT + (q0 + e) * mp + (v + x) * 16, a[x][e]);
+  }
+}
+
 // "lanes" path for bf16 queries over a bf16 cache (prefill of bf16 models): as attend_lanes, with vdpbf16ps.
 // Scores: the query pairs (q[e], q[e+1]) of 16 rows against a broadcast key pair, straight from the bf16 rows.
 // Values: the probabilities of keys j, j+1 are rounded to bf16 and interleaved per row, the V rows of the chunk
@@ -787,28 +833,15 @@ void attend_lanes_bf16(const Problem& p, const Item& it, Scratch& s, float* part
         _mm512_store_si512(vp + m * D + 32 * b + 16, _mm512_unpackhi_epi16(x, y));
       }
     const uint32_t* kw = reinterpret_cast<const uint32_t*>(kb);
-    for (int v = 0; v < nvec; ++v) {
-      if (pos[v * 16 + 15] < c) continue;  // positions grow with the row: every row of v is before this chunk
-      __m512 sacc[kChunk];
-      for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_setzero_ps();
-      for (int e = 0; e < NP; ++e) {
-        const __m512bh qd = (__m512bh)_mm512_loadu_si512(qt + e * mp + v * 16);
-        for (int j = 0; j < kChunk; ++j)
-          sacc[j] = _mm512_dpbf16_ps(sacc[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(kw[j * NP + e])));
-      }
-      for (int j = 0; j < kChunk; ++j) sacc[j] = _mm512_mul_ps(sacc[j], qscale);
-      const __m512 alpha = lanes_softmax(sacc, pos + v * 16, c, nk, mv[v], lv[v]);
-      __m512i pw[kChunk / 2];  // per row: bf16 pair (p[j], p[j + 1]) of key pair j / 2
-      for (int m = 0; m < kChunk / 2; ++m)
-        pw[m] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(sacc[2 * m + 1], sacc[2 * m]));
-      for (int q0 = 0; q0 < D; q0 += 8) {
-        __m512 a[8];
-        for (int e = 0; e < 8; ++e) a[e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (q0 + e) * mp + v * 16), alpha);
-        for (int m = 0; m < kChunk / 2; ++m)
-          for (int e = 0; e < 8; ++e)
-            a[e] = _mm512_dpbf16_ps(a[e], (__m512bh)pw[m],
-                                    (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[m * D + q0 + e])));
-        for (int e = 0; e < 8; ++e) _mm512_storeu_ps(accT + (q0 + e) * mp + v * 16, a[e]);
+    for (int v = 0; v < nvec;) {
+      if (pos[v * 16 + 15] < c) {  // positions grow with the row: every row of v is before this chunk
+        ++v;
+      } else if (v + 1 < nvec) {
+        lanes_chunk_bf16<ND, 2>(qt, mp, v, kw, vp, pos, c, nk, mv, lv, accT, qscale, interleave);
+        v += 2;
+      } else {
+        lanes_chunk_bf16<ND, 1>(qt, mp, v, kw, vp, pos, c, nk, mv, lv, accT, qscale, interleave);
+        ++v;
       }
     }
   }
