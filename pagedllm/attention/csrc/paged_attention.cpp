@@ -769,7 +769,8 @@ inline void lanes_chunk_bf16(const uint32_t* qt, int64_t mp, int v, const uint32
   for (int q0 = 0; q0 < D; q0 += 8) {
     __m512 a[VN][8];
     for (int x = 0; x < VN; ++x)
-      for (int e = 0; e < 8; ++e) a[x][e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (q0 + e) * mp + (v + x) * 16), alpha[x]);
+      for (int e = 0; e < 8; ++e)
+        a[x][e] = _mm512_mul_ps(_mm512_loadu_ps(accT + (q0 + e) * mp + (v + x) * 16), alpha[x]);
     for (int m = 0; m < kChunk / 2; ++m)
       for (int e = 0; e < 8; ++e) {
         const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[m * D + q0 + e]));
