@@ -13,8 +13,8 @@
 //   * "lanes" path (>= 16 query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
 //     the row max / rescale of the online softmax are plain vertical vector ops; with bf16 q and cache on an
 //     AVX512-BF16 CPU, pairs of bf16 elements are broadcast into vdpbf16ps instead (attend_lanes_bf16).
-// The bf16 paths round the softmax probabilities to bf16 before they multiply V, as transformers' eager
-// attention does for bf16 models; sums stay fp32.
+// The bf16 paths multiply V by the softmax probabilities split into a high and a low bf16 part (split_bf16_pairs);
+// sums stay fp32.
 // They need AVX-512 (compiled with -mavx512* when the CPU has it, see cpu_kernel.py); the portable path is plain
 // C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
 // AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16.
@@ -444,9 +444,9 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
 #if defined(__AVX512BF16__)
 // "dot" path for bf16 queries over a bf16 cache (decode and short prefills of bf16 models): the raw bf16 rows
 // go straight into vdpbf16ps, nothing is widened. Scores: q . k with fp32 sums of exact bf16 products, scaled
-// afterwards. Values: the probabilities of a pair of keys are rounded to bf16 (as transformers' eager attention
-// rounds its softmax before the V matmul) and the two V rows interleaved, so one vdpbf16ps adds both keys into
-// 16 fp32 accumulators. The interleave permutes dims within each 32-dim block; unpermute_rows undoes it.
+// afterwards. Values: the probabilities of a pair of keys as bf16 pairs (high and low parts) and the two V rows
+// interleaved, so one vdpbf16ps per part adds both keys into 16 fp32 accumulators. The interleave permutes dims
+// within each 32-dim block; unpermute_rows undoes it.
 constexpr int kPairChunk = 32;  // keys per online-softmax step
 
 // Raw bf16 row pointers of the next nk keys; missing keys (past the context) point at the first row.
@@ -490,8 +490,20 @@ inline __m512 scores16(const __m512bh* qv, const uint16_t* const* kr, int64_t ko
   return reduce16(sacc);
 }
 
+// Probabilities p0 (keys 0-15), p1 (keys 16-31) as bf16 pairs (p[2k], p[2k+1]) in two parts, p ~= hi + lo to ~2^-17:
+// both parts go through vdpbf16ps. One bf16 (8 bits) made a row's result depend on which path computed it (a
+// prefix-cache hit prefills its tail on the dot path, a full prompt on the lanes path) enough to change seeded
+// samples; with the low part the paths differ about as little as fp32 ones.
+inline void split_bf16_pairs(__m512 p0, __m512 p1, __m512i& hi, __m512i& lo) {
+  const __m256bh h0 = _mm512_cvtneps_pbh(p0), h1 = _mm512_cvtneps_pbh(p1);
+  const __m512 r0 = _mm512_sub_ps(p0, pagedllm::widen_bf16((__m256i)h0));
+  const __m512 r1 = _mm512_sub_ps(p1, pagedllm::widen_bf16((__m256i)h1));
+  hi = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)h0), (__m256i)h1, 1);
+  lo = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+}
+
 // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] V[j] for G rows, keys taken in pairs (pp: per row, kPairChunk / 2
-// bf16 pairs as 32-bit words); acc in the interleaved dim order.
+// bf16 pairs as 32-bit words, high parts then low parts); acc in the interleaved dim order.
 template <int NB, int G>
 inline void accumulate_pairs(float* acc, const float* alpha, const uint32_t* pp, const uint16_t* const* vr,
                              int64_t voff, int64_t npairs, const uint16_t* const* pf) {
@@ -515,8 +527,10 @@ inline void accumulate_pairs(float* acc, const float* alpha, const uint32_t* pp,
       v[2 * b + 1] = _mm512_unpackhi_epi16(x, y);
     }
     for (int g = 0; g < G; ++g) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * (kPairChunk / 2) + m]));
-      for (int e = 0; e < 2 * NB; ++e) a[g][e] = _mm512_dpbf16_ps(a[g][e], w, (__m512bh)v[e]);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * kPairChunk + m]));
+      const __m512bh wl = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * kPairChunk + kPairChunk / 2 + m]));
+      for (int e = 0; e < 2 * NB; ++e) a[g][e] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[g][e], w, (__m512bh)v[e]), wl,
+                                                                  (__m512bh)v[e]);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -557,7 +571,7 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
   const int64_t n_new = p.qsl[it.r + 1] - p.qsl[it.r];
   float* acc = s.acc.get();
   alignas(64) float m[kMaxRows], l[kMaxRows], alpha[kMaxRows], mnew[kMaxRows], psum[kMaxRows];
-  alignas(64) uint32_t pp[kMaxRows * kPairs];
+  alignas(64) uint32_t pp[kMaxRows * 2 * kPairs];  // per row: kPairs high parts, then kPairs low parts
   int32_t pos[kMaxRows];
   const uint16_t* qrow[kMaxRows];
   std::fill(m, m + kMaxRows, kNegInf);
@@ -615,8 +629,10 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
       const __m512 p0 = _mm512_maskz_mov_ps(m0, exp2_ps(_mm512_sub_ps(s0, mv)));
       const __m512 p1 = _mm512_maskz_mov_ps(m1, exp2_ps(_mm512_sub_ps(s1, mv)));
       psum[i] = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // bf16 pairs (p0, p1), (p2, p3), ...
-      _mm512_store_si512(pp + i * kPairs, (__m512i)pb);
+      __m512i hi, lo;
+      split_bf16_pairs(p0, p1, hi, lo);
+      _mm512_store_si512(pp + i * 2 * kPairs, hi);
+      _mm512_store_si512(pp + i * 2 * kPairs + kPairs, lo);
     }
     // all rows at once: alpha = 2^(m_old - m_new), 1 where both are -inf (no key seen yet)
     for (int64_t i = 0; i < rows; i += 16) {
@@ -630,7 +646,7 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
     for (int64_t hh = 0; hh < it.nh; ++hh)
       for (int64_t i = hh * per_head; i < (hh + 1) * per_head; i += kGroup)
         accumulate_pair_rows<NB, kGroup>(std::min<int64_t>(kGroup, (hh + 1) * per_head - i), acc + i * D,
-                                         alpha + i, pp + i * kPairs, vr, hh * D, npairs,
+                                         alpha + i, pp + i * 2 * kPairs, vr, hh * D, npairs,
                                          i == hh * per_head ? vpf : nullptr);  // one prefetching group per head
     std::swap(kr, kn);
     std::swap(vr, vn);
@@ -760,11 +776,15 @@ inline void lanes_chunk_bf16(const uint32_t* qt, int64_t mp, int v, const uint32
       for (int j = 0; j < J; ++j) sc[x][h + j] = _mm512_mul_ps(a[x][j], qscale);
   }
   __m512 alpha[VN];
-  __m512i pw[VN][kChunk / 2];  // per row: bf16 pair (p[j], p[j + 1]) of key pair j / 2
+  __m512i pw[VN][kChunk / 2], pl[VN][kChunk / 2];  // per row: bf16 pair (p[j], p[j + 1]) of key pair j / 2, hi/lo
   for (int x = 0; x < VN; ++x) {
     alpha[x] = lanes_softmax(sc[x], pos + (v + x) * 16, c, nk, mv[v + x], lv[v + x]);
-    for (int m = 0; m < kChunk / 2; ++m)
-      pw[x][m] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(sc[x][2 * m + 1], sc[x][2 * m]));
+    for (int m = 0; m < kChunk / 2; ++m) {
+      __m512i hi, lo;
+      split_bf16_pairs(sc[x][2 * m], sc[x][2 * m + 1], hi, lo);
+      pw[x][m] = _mm512_permutexvar_epi16(interleave, hi);
+      pl[x][m] = _mm512_permutexvar_epi16(interleave, lo);
+    }
   }
   for (int q0 = 0; q0 < D; q0 += 8) {
     __m512 a[VN][8];
@@ -774,7 +794,8 @@ inline void lanes_chunk_bf16(const uint32_t* qt, int64_t mp, int v, const uint32
     for (int m = 0; m < kChunk / 2; ++m)
       for (int e = 0; e < 8; ++e) {
         const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[m * D + q0 + e]));
-        for (int x = 0; x < VN; ++x) a[x][e] = _mm512_dpbf16_ps(a[x][e], (__m512bh)pw[x][m], vv);
+        for (int x = 0; x < VN; ++x)
+          a[x][e] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[x][e], (__m512bh)pw[x][m], vv), (__m512bh)pl[x][m], vv);
       }
     for (int x = 0; x < VN; ++x)
       for (int e = 0; e < 8; ++e) _mm512_storeu_ps(accT + (q0 + e) * mp + (v + x) * 16, a[x][e]);
@@ -783,8 +804,8 @@ inline void lanes_chunk_bf16(const uint32_t* qt, int64_t mp, int v, const uint32
 
 // "lanes" path for bf16 queries over a bf16 cache (prefill of bf16 models): as attend_lanes, with vdpbf16ps.
 // Scores: the query pairs (q[e], q[e+1]) of 16 rows against a broadcast key pair, straight from the bf16 rows.
-// Values: the probabilities of keys j, j+1 are rounded to bf16 and interleaved per row, the V rows of the chunk
-// packed as pairs (v[j][e], v[j+1][e]), so one instruction adds two keys for 16 rows.
+// Values: the probabilities of keys j, j+1 as bf16 pairs (high and low parts) interleaved per row, the V rows of
+// the chunk packed as pairs (v[j][e], v[j+1][e]), so one instruction per part adds two keys for 16 rows.
 template <int ND>
 void attend_lanes_bf16(const Problem& p, const Item& it, Scratch& s, float* partials) {
   constexpr int D = ND * 16;
