@@ -683,6 +683,25 @@ inline __m512 lanes_softmax(__m512* s, const int32_t* pos, int64_t c, int64_t nk
   return alpha;
 }
 
+// The end of a lanes tile: each row's running max and sum out of their vectors, the transposed accumulator
+// ([D][rows padded to 16], position q holding dim dim_of(q)) back to rows, then finish.
+template <int D, typename DimOf>
+void finish_lanes(const Problem& p, const Item& it, Scratch& s, const __m512* mv, const __m512* lv, const float* accT,
+                  float* partials, DimOf dim_of) {
+  const int64_t rows = item_rows(p, it);
+  const int64_t nvec = (rows + 15) / 16, mp = nvec * 16;
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  for (int v = 0; v < nvec; ++v) {
+    _mm512_storeu_ps(m + v * 16, mv[v]);
+    _mm512_storeu_ps(l + v * 16, lv[v]);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int q = 0; q < D; ++q) acc[i * D + dim_of(q)] = accT[q * mp + i];
+  finish(p, it, acc, m, l, partials);
+}
+
 // "lanes" path: >= 16 rows (prefill). Rows sit in vector lanes: Q and the accumulator are kept transposed
 // ([D][rows]), K/V elements are broadcast from a packed chunk.
 template <int ND>
@@ -733,16 +752,7 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
       }
     }
   }
-  float* acc = s.acc.get();
-  float* m = s.m.get();
-  float* l = s.l.get();
-  for (int v = 0; v < nvec; ++v) {
-    _mm512_storeu_ps(m + v * 16, mv[v]);
-    _mm512_storeu_ps(l + v * 16, lv[v]);
-  }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t e = 0; e < D; ++e) acc[i * D + e] = accT[e * mp + i];
-  finish(p, it, acc, m, l, partials);
+  finish_lanes<D>(p, it, s, mv, lv, accT, partials, [](int q) { return q; });
 }
 
 #if defined(__AVX512BF16__)
@@ -867,16 +877,7 @@ void attend_lanes_bf16(const Problem& p, const Item& it, Scratch& s, float* part
       }
     }
   }
-  float* acc = s.acc.get();
-  float* m = s.m.get();
-  float* l = s.l.get();
-  for (int v = 0; v < nvec; ++v) {
-    _mm512_storeu_ps(m + v * 16, mv[v]);
-    _mm512_storeu_ps(l + v * 16, lv[v]);
-  }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int q = 0; q < D; ++q) acc[i * D + pair_dim(q)] = accT[q * mp + i];
-  finish(p, it, acc, m, l, partials);
+  finish_lanes<D>(p, it, s, mv, lv, accT, partials, pair_dim);
 }
 #endif
 
