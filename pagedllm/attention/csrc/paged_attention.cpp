@@ -19,7 +19,8 @@
 // C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
 // AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16.
 //
-// Scores are computed in base 2: q is pre-multiplied by scale * log2(e) and exp2 replaces exp.
+// Scores are computed in base 2: q is pre-multiplied by scale * log2(e) (the bf16 paths multiply the fp32 sum
+// instead) and exp2 replaces exp.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -446,7 +447,7 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
 // go straight into vdpbf16ps, nothing is widened. Scores: q . k with fp32 sums of exact bf16 products, scaled
 // afterwards. Values: the probabilities of a pair of keys as bf16 pairs (high and low parts) and the two V rows
 // interleaved, so one vdpbf16ps per part adds both keys into 16 fp32 accumulators. The interleave permutes dims
-// within each 32-dim block; unpermute_rows undoes it.
+// within each 32-dim block (pair_dim); unpermute_rows undoes it.
 constexpr int kPairChunk = 32;  // keys per online-softmax step
 
 // Raw bf16 row pointers of the next nk keys; missing keys (past the context) point at the first row.
@@ -546,13 +547,18 @@ inline void accumulate_pair_rows(int64_t n, float* acc, const float* alpha, cons
   accumulate_pairs<NB, G>(acc, alpha, pp, vr, voff, npairs, pf);
 }
 
-// Back to natural dim order: in each 32-dim block, the low accumulator holds dims 8k..8k+3 in its 128-bit lane k,
-// the high one dims 8k+4..8k+7.
-template <int NB>
+// Dim held at position q of an accumulator row whose V pairs were interleaved by unpacklo/hi_epi16 per 32-dim
+// block: the low half of the block has dims 8k..8k+3 in 128-bit lane k, the high half 8k+4..8k+7.
+constexpr int pair_dim(int q) { return q / 32 * 32 + (q % 16) / 4 * 8 + (q % 32) / 16 * 4 + q % 4; }
+
+// Rows of D accumulators back to natural dim order, one 32-dim block (two vectors) at a time: dim e of a block
+// comes from the position q with pair_dim(q) = e.
+template <int D>
 inline void unpermute_rows(float* acc, int64_t rows) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int64_t i = 0; i < rows * NB; ++i) {
+  alignas(64) int32_t from[32];
+  for (int q = 0; q < 32; ++q) from[pair_dim(q)] = q;
+  const __m512i first = _mm512_load_si512(from), second = _mm512_load_si512(from + 16);
+  for (int64_t i = 0; i < rows * D / 32; ++i) {
     float* blk = acc + i * 32;
     const __m512 lo = _mm512_loadu_ps(blk), hi = _mm512_loadu_ps(blk + 16);
     _mm512_storeu_ps(blk, _mm512_permutex2var_ps(lo, first, hi));
@@ -651,7 +657,7 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
     std::swap(kr, kn);
     std::swap(vr, vn);
   }
-  unpermute_rows<NB>(acc, rows);
+  unpermute_rows<D>(acc, rows);
   finish(p, it, acc, m, l, partials);
 }
 #endif
@@ -756,10 +762,6 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
 }
 
 #if defined(__AVX512BF16__)
-// Dim held at position q of a row whose V pairs were interleaved by unpacklo/hi_epi16 per 32-dim block (see
-// unpermute_rows): the low half of the block has dims 8k..8k+3 in 128-bit lane k, the high half 8k+4..8k+7.
-constexpr int pair_dim(int q) { return q / 32 * 32 + (q % 16) / 4 * 8 + (q % 32) / 16 * 4 + q % 4; }
-
 // One chunk of attend_lanes_bf16 for the VN row vectors v .. v + VN - 1: scores, online softmax, values. With
 // VN = 2 every broadcast key pair and value pair feeds two vectors (a load per two vdpbf16ps instead of one).
 template <int ND, int VN>
