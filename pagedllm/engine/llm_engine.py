@@ -124,11 +124,13 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """`prompt_token_ids`: the text prompt already tokenized (the server does it off the loop thread)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
         self.scheduler.check_fits(len(ids))
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -12,16 +13,29 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 Prompt = str | list[int]
+_PROMPT_TYPES = "a str, a list of token ids, or a list of those"
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """The prompts as a list; TypeError naming the prompt otherwise (not a bare `list(...)` failure)."""
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be {_PROMPT_TYPES}, got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and _is_token_ids(prompts):
         return [prompts]  # a single prompt given as token ids
-    return prompts
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) and not _is_token_ids(p):
+            raise TypeError(f"prompts[{i}] must be a str or a list of token ids, got {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
 class LLM:
@@ -36,12 +50,17 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
+        if not prompts:
+            logger.warning("LLM.generate got no prompts: nothing to do")  # as vLLM: an empty result, not an error
+            return []
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be a SamplingParams or a sequence of them")
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

@@ -4,27 +4,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError, internal_error
+from pagedllm.entrypoints.openai.lifecycle import Server, ShutdownGate
+from pagedllm.entrypoints.openai.middleware import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyMiddleware,
+    RequestLimitsMiddleware,
+)
+from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
+from pagedllm.entrypoints.openai.protocols import http_protocol
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.metrics import CONTENT_TYPE_LATEST
@@ -32,24 +39,6 @@ from pagedllm.metrics import CONTENT_TYPE_LATEST
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
-
-
-class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>`; checked before the body is even parsed."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                                  code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -65,14 +54,19 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
-              served_model_name: str | None = None) -> FastAPI:
+              served_model_name: str | None = None, *, docs: bool | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              request_body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app);
-    given an AsyncEngine, the caller owns it (the app only starts it)."""
+    given an AsyncEngine, the caller owns it (the app only starts it). `docs` serves /docs and /openapi.json
+    (default: only when no API key is set, since they are not behind it)."""
     owns_engine = not isinstance(engine, AsyncEngine)
     async_engine = AsyncEngine.from_engine_args(engine) if owns_engine else engine
     name = served_model_name or async_engine.model_name
-    completion = OpenAIServingCompletion(async_engine, name)
-    chat = OpenAIServingChat(async_engine, name)
+    gate = ShutdownGate()
+    preprocess = PromptPreprocessor(async_engine)
+    completion = OpenAIServingCompletion(async_engine, name, preprocess=preprocess, gate=gate)
+    chat = OpenAIServingChat(async_engine, name, preprocess=preprocess, gate=gate)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,13 +74,20 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
         try:
             yield
         finally:
+            preprocess.shutdown()
             if owns_engine:
                 async_engine.shutdown()
 
-    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    if docs is None:
+        docs = not api_key
+    app = FastAPI(title="pagedllm", lifespan=lifespan, **({} if docs else
+                  {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.engine = async_engine
     app.state.served_model_name = name
-    if api_key:
+    app.state.shutdown_gate = gate  # closed by lifecycle.Server at the graceful-shutdown deadline
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes,
+                       body_timeout=request_body_timeout)
+    if api_key:  # added last, so it runs first: no body is read for a wrong key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(OpenAIError)
@@ -103,9 +104,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
         return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
+    async def _internal(_: Request, exc: Exception) -> Response:
+        return internal_error(exc, "unhandled error").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -145,7 +145,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM (then they end "
+                             "with an error event)")
+    add_limit_args(parser)
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -158,20 +160,34 @@ def serve_main(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op if set
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(EngineArgs.from_cli_args(args), api_key=api_key, served_model_name=args.served_model_name)
+    app = build_app(EngineArgs.from_cli_args(args), api_key=api_key, served_model_name=args.served_model_name,
+                    docs=args.docs, max_request_body_bytes=args.max_request_body_bytes,
+                    request_body_timeout=args.request_body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown, **uvicorn_limits(args))
+    Server(config, app.state.shutdown_gate).run()
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn re-raises the captured signal after its graceful shutdown (exit status -15);
-            # the shutdown was clean, so exit 0 instead.
-            with super().capture_signals():
-                yield
-                getattr(self, "_captured_signals", []).clear()
 
-    Server(config).run()
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("limits on clients")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are parsed")
+    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a client may pause while sending a body (then 408)")
+    g.add_argument("--request-header-timeout", type=float, default=30.0,
+                   help="seconds a connection gets to send a complete request head (then it is closed)")
+    g.add_argument("--max-request-header-bytes", type=int, default=64 * 1024)
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="idle keep-alive connections close after this")
+    g.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections + requests at once before new ones get 503 (default: no limit)")
+    g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve /docs and /openapi.json (default: only when no API key is set)")
+
+
+def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
+    return {"http": http_protocol(args.request_header_timeout, args.max_request_header_bytes),
+            "h11_max_incomplete_event_size": args.max_request_header_bytes,
+            "timeout_keep_alive": args.timeout_keep_alive, "limit_concurrency": args.limit_concurrency}
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -7,14 +7,16 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, internal_error
+from pagedllm.entrypoints.openai.lifecycle import ShutdownGate
+from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -38,10 +40,10 @@ def engine_error(err: BaseException) -> OpenAIError:
     if isinstance(err, OpenAIError):
         return err
     if isinstance(err, EngineDeadError):
-        return OpenAIError(503, f"engine unavailable: {err}", code="engine_unavailable")
-    if isinstance(err, RequestFailedError):
-        return OpenAIError(500, f"request failed: {err}", code="internal_error")
-    return OpenAIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+        return OpenAIError(503, "The engine is not running.", code="engine_unavailable")
+    # the details are internal (exception text, tracebacks): they go to the log, the client gets a reference
+    return internal_error(err, "the engine failed while processing this request"
+                          if isinstance(err, RequestFailedError) else "internal error")
 
 
 class ClientDisconnected(Exception):
@@ -55,19 +57,24 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`; if the client goes away first, cancel it (which aborts its engine requests)."""
+async def run_until_disconnect(request: Request, work: Awaitable[T], gate: ShutdownGate | None = None) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine requests). If the
+    graceful-shutdown deadline comes first, cancel it too and raise the shutdown error (a 503, not a cut)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+    waits = {task, disconnect} if gate is None else {task, disconnect, gate.cut_task()}
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (task, watcher):
+        cut = gate is not None and gate.is_cut and not task.done() and not disconnect.done()
+        for t in (task, disconnect):  # (the gate's future is shared: never cancelled here)
             if not t.done():
                 t.cancel()
-        for t in (task, watcher):
+        for t in (task, disconnect):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+    if cut:
+        raise gate.error()  # type: ignore[union-attr]
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
@@ -199,23 +206,42 @@ def now() -> int:
     return int(time.time())
 
 
-async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], str]) -> AsyncIterator[str]:
-    """An SSE body that turns a failure after the headers into one error event, never a broken connection."""
+async def guarded(gen: AsyncIterator[str], gate: ShutdownGate | None = None) -> AsyncIterator[str]:
+    """An SSE body that ends cleanly whatever happens after the headers: a failure, or the graceful-shutdown
+    deadline, becomes one error event followed by [DONE], never a connection cut mid-body."""
+    nxt: asyncio.Future | None = None
     try:
-        async for chunk in gen:
+        while True:
+            nxt = asyncio.ensure_future(anext(gen))
+            if gate is not None:
+                await asyncio.wait({nxt, gate.cut_task()}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():  # the deadline came first (the finally below stops the body)
+                    yield gate.error().sse() + SSE_DONE
+                    return
+            try:
+                chunk = await nxt
+            except StopAsyncIteration:
+                return
             yield chunk
     except ClientDisconnected:
         return
     except Exception as e:
-        yield on_error(e)
+        yield engine_error(e).sse() + SSE_DONE
     finally:
-        await gen.aclose()  # type: ignore[attr-defined]
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+        await gen.aclose()  # type: ignore[attr-defined]  # aborts the body's engine requests
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, *,
+                 preprocess: PromptPreprocessor | None = None, gate: ShutdownGate | None = None) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.preprocess = preprocess or PromptPreprocessor(engine)
+        self.gate = gate
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, self.engine.model_name):
@@ -228,12 +254,15 @@ class OpenAIServing:
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
                      cache_salt: str | None, known_params: set[str]) -> list[RequestStream]:
-        """Add every prompt; on any rejection abort those already added and raise the OpenAI error."""
+        """Tokenize every prompt (off the loops), then add them; on any rejection abort those already added
+        and raise the OpenAI error."""
         streams: list[RequestStream] = []
+        param = "messages" if "messages" in known_params else "prompt"  # chat: the templated conversation
         try:
-            for i, p in enumerate(prompts):
+            ids = [await self.preprocess.tokenize(p, param) for p in prompts]
+            for i, (p, p_ids) in enumerate(zip(prompts, ids, strict=True)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(p, params, rid, cache_salt))
+                streams.append(await self.engine.add_request(p, params, rid, cache_salt, prompt_token_ids=p_ids))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)

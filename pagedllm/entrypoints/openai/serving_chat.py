@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.serving import (
     sse,
     usage_of,
 )
+from pagedllm.entrypoints.openai.validation import check_unicode
 from pagedllm.outputs import CompletionOutput
 
 _PARAMS = set(ChatCompletionRequest.model_fields)
@@ -55,10 +56,10 @@ def _logprobs(fmt: LogprobFormatter, c: CompletionOutput, start: int, end: int) 
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt(self, req: ChatCompletionRequest) -> str:
+    async def _prompt(self, req: ChatCompletionRequest) -> str:
         try:
             messages = [m.to_template_dict() for m in req.messages]
-            return self.engine.apply_chat_template(messages)
+            return await self.preprocess.render_chat(messages)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
         except Exception as e:  # jinja errors of the template (roles must alternate, ...)
@@ -66,22 +67,23 @@ class OpenAIServingChat(OpenAIServing):
                               code="invalid_value") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        check_unicode(req)
         self.check_model(req.model)
         try:
             params = req.to_sampling_params()
         except ValueError as e:
             raise bad_request(e, _PARAMS) from e
-        prompt = self._prompt(req)
+        prompt = await self._prompt(req)
         rid = random_id("chatcmpl")
         model = req.model or self.served_model_name
         streams = await self.submit([prompt], params, rid, req.cache_salt, _PARAMS)
         fmt = LogprobFormatter(self.engine.tokenizer, req.top_logprobs or 0)
         if req.stream:
             body = self._stream(req, params.n, rid, model, streams[0], DeltaTracker(params), fmt)
-            return StreamingResponse(guarded(body, lambda e: engine_error(e).sse()),
+            return StreamingResponse(guarded(body, self.gate),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            (final,) = await run_until_disconnect(raw, final_outputs(self.engine, streams))
+            (final,) = await run_until_disconnect(raw, final_outputs(self.engine, streams), self.gate)
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as e:

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.serving import (
     sse,
     usage_of,
 )
+from pagedllm.entrypoints.openai.validation import check_unicode
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -68,6 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompts
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        check_unicode(req)
         self.check_model(req.model)
         try:
             params = req.to_sampling_params()
@@ -80,10 +82,10 @@ class OpenAIServingCompletion(OpenAIServing):
         echo = [self._echo_text(p) for p in prompts] if req.echo else None
         if req.stream:
             body = self._stream(req, params, rid, model, streams, echo)
-            return StreamingResponse(guarded(body, lambda e: engine_error(e).sse()),
+            return StreamingResponse(guarded(body, self.gate),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams))
+            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams), self.gate)
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as e:

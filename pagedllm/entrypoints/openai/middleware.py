@@ -1,0 +1,102 @@
+"""ASGI middleware in front of the app: the API key, and limits on how much and how slowly a client may send."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import OpenAIError
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~1M tokens of text; a max_model_len prompt is far smaller
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may pause while sending its body
+
+
+def _unauthorized(message: str, status: int = 401) -> OpenAIError:
+    return OpenAIError(status, message, code="invalid_api_key")
+
+
+class ApiKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer <key>` (scheme case-insensitive, RFC 7235), exactly one such
+    header; checked before the body is even read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    def _error(self, scope: Scope) -> OpenAIError | None:
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(values) > 1:  # which one would a proxy have checked? refuse to guess
+            return _unauthorized("Send exactly one Authorization header.", status=400)
+        scheme, _, token = (values[0] if values else b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+            return _unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`.")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            err = self._error(scope)
+            if err is not None:
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestLimitsMiddleware:
+    """Reads each request body up front under a size cap (413 as soon as it is exceeded, or at once from
+    Content-Length) and a deadline between its chunks (408), then hands it to the app in one piece."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+
+    def _too_large(self, size: int | None = None) -> OpenAIError:
+        got = f" ({size} bytes)" if size is not None else ""
+        return OpenAIError(413, f"Request body too large{got}: the limit is {self.max_body_bytes} bytes "
+                                "(--max-request-body-bytes).", code="request_too_large")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | OpenAIError | None:
+        """The whole body; an error to send; None if the client went away."""
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return self._too_large(int(declared))
+        body = bytearray()
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                return OpenAIError(408, f"Request body not received within {self.body_timeout:g}s.",
+                                   code="request_timeout")
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return self._too_large()
+            if not message.get("more_body", False):
+                return bytes(body)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        body = await self._read_body(scope, receive)
+        if body is None:
+            return
+        if isinstance(body, OpenAIError):
+            response = body.response()
+            response.headers["connection"] = "close"  # the rest of the body is not read
+            await response(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the real channel (disconnect detection)
+
+        await self.app(scope, replay, send)
