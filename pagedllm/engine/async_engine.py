@@ -321,8 +321,8 @@ class AsyncEngine:
         try:
             if rid in self._tracked:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival,
-                                    prompt_token_ids=prompt_token_ids)
+            tokenized = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
+            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival, **tokenized)
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
             return

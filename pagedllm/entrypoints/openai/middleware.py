@@ -11,6 +11,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~1M tokens of text; a max_model_len prompt is far smaller
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may pause while sending its body
+_DRAIN_FACTOR = 4
 
 
 def _unauthorized(message: str, status: int = 401) -> OpenAIError:
@@ -44,8 +45,8 @@ class ApiKeyMiddleware:
 
 
 class RequestLimitsMiddleware:
-    """Reads each request body up front under a size cap (413 as soon as it is exceeded, or at once from
-    Content-Length) and a deadline between its chunks (408), then hands it to the app in one piece."""
+    """Reads each request body up front under a size cap (413) and a deadline between its chunks (408), then
+    hands it to the app in one piece."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
@@ -59,11 +60,14 @@ class RequestLimitsMiddleware:
                                 "(--max-request-body-bytes).", code="request_too_large")
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | OpenAIError | None:
-        """The whole body; an error to send; None if the client went away."""
+        """The whole body; an error to send; None if the client went away. A body over the cap is read on
+        and dropped up to _DRAIN_FACTOR x the cap, so that a client still sending gets the 413 rather than a
+        reset connection; beyond that the connection is closed on it."""
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return self._too_large(int(declared))
-        body = bytearray()
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        if size is not None and size > self.max_body_bytes * _DRAIN_FACTOR:
+            return self._too_large(size)
+        body, received = bytearray(), 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.body_timeout)
@@ -72,11 +76,14 @@ class RequestLimitsMiddleware:
                                    code="request_timeout")
             if message["type"] == "http.disconnect":
                 return None
-            body += message.get("body", b"")
-            if len(body) > self.max_body_bytes:
-                return self._too_large()
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received <= self.max_body_bytes:
+                body += chunk
+            elif received > self.max_body_bytes * _DRAIN_FACTOR:
+                return self._too_large(size)
             if not message.get("more_body", False):
-                return bytes(body)
+                return bytes(body) if received <= self.max_body_bytes else self._too_large(received)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
