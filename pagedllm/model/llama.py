@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedllm.kernels import batch_invariant
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import (
     RMSNorm,
@@ -130,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
     def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
         """The fused decoder-layer op when this batch can use it (bf16 weights and KV, the C++ attention kernel as
         backend, a CPU with avx512_bf16), else None."""
-        if not (self.fused_layers and h.dtype == torch.bfloat16 and h.shape[0] > 0
+        # (not in batch-invariant mode: the fused layer's GEMMs switch kernels with the row count)
+        if not (self.fused_layers and not batch_invariant() and h.dtype == torch.bfloat16 and h.shape[0] > 0
                 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
                 and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None
@@ -142,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed if self.lm_head is None else self.lm_head
         if out is None:
             return linear(hidden, w).float()
-        if hidden.dtype == torch.float32:
+        if hidden.dtype == torch.float32 and not batch_invariant():
             return torch.mm(hidden, w.t(), out=out)
         return out.copy_(linear(hidden, w))
 
