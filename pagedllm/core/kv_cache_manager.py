@@ -25,42 +25,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers catch them from here)
+    ContextTooLongError,
+    DoubleFreeError,
+    InconsistentRequestError,
+    InvalidComputedBlocksError,
+    KVCacheManagerError,
+    NegativeTokenCountError,
+    RequestExistsError,
+    UnknownRequestError,
+)
 from pagedllm.core.kv_cache_utils import block_extra_keys, cdiv, hash_block_tokens, hash_request_blocks
 from pagedllm.core.request import Request
-
-
-class KVCacheManagerError(Exception):
-    """Base of the manager's errors. Every one is raised before any change: the pool is unchanged."""
-
-
-class UnknownRequestError(KVCacheManagerError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class DoubleFreeError(UnknownRequestError):
-    """free() of a request that was already freed."""
-
-
-class RequestExistsError(KVCacheManagerError, ValueError):
-    """fork() into a request id that already holds blocks."""
-
-
-class NegativeTokenCountError(KVCacheManagerError, ValueError):
-    pass
-
-
-class ContextTooLongError(KVCacheManagerError, ValueError):
-    """The contiguous layout cannot hold more than its max_model_len reservation."""
-
-
-class InvalidComputedBlocksError(KVCacheManagerError, ValueError):
-    """new_computed_blocks that do not match the request's prefix (stale lookup, wrong request...)."""
-
-
-class InconsistentRequestError(KVCacheManagerError, ValueError):
-    """request.num_computed_tokens does not fit the request's block table."""
-
 
 _NO_BLOCKS: list[KVBlock] = []  # shared empty table; never mutated
 
