@@ -106,7 +106,7 @@ def _has_gguf_magic(path: str) -> bool:
 @contextlib.contextmanager
 def _single_threaded() -> Iterator[None]:
     """Loading is memory-bound (page faults, conversions): a second thread barely helps, and on a busy machine
-    OpenMP's spin-waiting made it 3-5x slower (measured 4 s vs 18-30 s at load average 10 on 2 cores)."""
+    OpenMP's spin-waiting makes it several times slower (the load time is logged at INFO)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
