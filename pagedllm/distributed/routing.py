@@ -103,7 +103,8 @@ class PrefixAffinityPolicy(LeastLoadedPolicy):
     name = "prefix"
 
     def __init__(self, num_replicas: int, block_size: int = 16, *, max_prefix_blocks: int = 128,
-                 min_match_blocks: int = 1, load_factor: float = 1.25, load_slack: int = 4, kv_high: float = 0.9,
+                 min_match_blocks: int = 1, load_factor: float = 1.25, load_slack: int = 4,
+                 token_slack: int = 2048, kv_high: float = 0.9,
                  table_blocks: int = 65536) -> None:
         super().__init__()
         if block_size < 1 or max_prefix_blocks < 1 or min_match_blocks < 1:
@@ -115,6 +116,7 @@ class PrefixAffinityPolicy(LeastLoadedPolicy):
         self.min_match_blocks = min_match_blocks
         self.load_factor = load_factor
         self.load_slack = load_slack
+        self.token_slack = token_slack
         self.kv_high = kv_high
         self.table_blocks = table_blocks
         self._tables: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
@@ -127,11 +129,14 @@ class PrefixAffinityPolicy(LeastLoadedPolicy):
         # Never hash the last token: the engine recomputes it, so a block ending there cannot be a hit.
         usable = min(len(token_ids) - 1, self.max_prefix_blocks * self.block_size)
         hashes = hash_request_blocks(token_ids[:max(usable, 0)], self.block_size, cache_salt)
-        total = sum(replicas[i].num_requests for i in up) + 1
-        capacity = math.ceil(self.load_factor * total / len(up)) + self.load_slack
+        n_up, new_tokens = len(up), len(token_ids)
+        capacity = math.ceil(self.load_factor * (sum(replicas[i].num_requests for i in up) + 1) / n_up)
+        token_capacity = self.load_factor * (sum(replicas[i].queued_tokens for i in up) + new_tokens) / n_up
 
         def overloaded(i: int) -> bool:
-            return replicas[i].num_requests + 1 > capacity or replicas[i].kv_usage >= self.kv_high
+            r = replicas[i]
+            return (r.num_requests + 1 > capacity + self.load_slack or r.kv_usage >= self.kv_high
+                    or r.queued_tokens + new_tokens > token_capacity + self.token_slack)
 
         holders = sorted(((self.matched_blocks(i, hashes), i) for i in up), key=lambda m: -m[0])
         chosen = next((i for m, i in holders if m >= self.min_match_blocks and not overloaded(i)), None)
