@@ -5,7 +5,8 @@ offline-distribution workload (so no prompt repeats across rates and neither ser
 both servers see the same prompts and arrival times at a rate. The client streams /v1/completions with token-id
 prompts, ignore_eos and temperature 0, and records TTFT (first streamed token), inter-token latency (gaps between
 token chunks) and end-to-end latency per request. Reports p50/p99 of each, throughput, and the rate at which each
-system's p99 TTFT passes 2 s.
+system's p99 TTFT passes 2 s. With `--data-parallel-size N` it compares N Ray replicas with one engine of the
+same total threads on a prefix-heavy workload instead (see serving_dp.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.benchmarks import common
+from pagedllm.benchmarks import common, serving_dp
 
 TTFT_SLO_S = 2.0
 
@@ -252,6 +253,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots")
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: the embedded model)")
     p.add_argument("--server-args", default="", help="extra `pagedllm serve` arguments, space separated")
+    serving_dp.add_args(p)
 
 
 def _systems(args: argparse.Namespace) -> list[str]:
@@ -268,14 +270,21 @@ def measure(args: argparse.Namespace) -> dict:
     rates = args.rates or ([1.0, 4.0] if args.quick else [0.25, 0.5, 1.0, 2.0, 4.0])
     n = args.num_requests or (12 if args.quick else 200)
     max_out = min(args.max_output, 32) if args.quick else args.max_output
-    workloads = {rate: common.offline_workload(n, output_len=(min(16, max_out), max_out),
-                                               seed=args.seed + 1000 * (i + 1), model_path=args.model)
-                 for i, rate in enumerate(rates)}
+    dp = (args.data_parallel_size or 1) > 1
+    if dp:
+        workloads = serving_dp.workloads(args, rates, n, max_out)
+    else:
+        workloads = {rate: common.offline_workload(n, output_len=(min(16, max_out), max_out),
+                                                   seed=args.seed + 1000 * (i + 1), model_path=args.model)
+                     for i, rate in enumerate(rates)}
     arrivals = {rate: poisson_arrivals(n, rate, args.seed + i) for i, rate in enumerate(rates)}
     results: dict[str, list[dict]] = {}
     records: dict[str, dict[float, list[RequestRecord]]] = {}
-    for system in _systems(args):
-        if system == "pagedllm":
+    servers = serving_dp.systems(args, PagedllmServer) if dp else [(s, None) for s in _systems(args)]
+    for system, srv in servers:
+        if srv is not None:
+            pass
+        elif system == "pagedllm":
             srv = PagedllmServer(args.model, args.dtype, args.threads, args.server_args.split())
         elif system == "llama-server":
             ctx = max(len(p) + m for w in workloads.values() for p, m in zip(w.prompts, w.output_lens,
