@@ -145,6 +145,7 @@ class RequestRecord:
     e2e: float = float("nan")
     chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if the server does not report it)
     error: str | None = None
 
     @property
@@ -179,6 +180,8 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, rec: Reques
                     rec.chunk_times.append(now - start)
                 if msg.get("usage"):
                     rec.output_tokens = int(msg["usage"].get("completion_tokens") or 0)
+                    rec.cached_tokens = int((msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                                            or 0)
         rec.e2e = time.perf_counter() - start
         rec.output_tokens = rec.output_tokens or chunks
     except Exception as e:  # one failed request is a data point, not the end of the run
@@ -237,6 +240,7 @@ def summarise(recs: list[RequestRecord], elapsed: float) -> dict:
     out = sum(r.output_tokens for r in ok)
     return {"completed": len(ok), "failed": len(recs) - len(ok), "elapsed_s": elapsed,
             "req_per_s": len(ok) / elapsed, "out_tok_per_s": out / elapsed,
+            "cached_frac": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
             "ttft_p50": common.pct(ttft, 50), "ttft_p99": common.pct(ttft, 99),
             "itl_p50": common.pct(itl, 50), "itl_p99": common.pct(itl, 99),
             "e2e_p50": common.pct(e2e, 50), "e2e_p99": common.pct(e2e, 99)}
@@ -312,7 +316,7 @@ def measure(args: argparse.Namespace) -> dict:
     knee = {s: next((r["rate"] for r in rows if not r["ttft_p99"] <= TTFT_SLO_S), None)
             for s, rows in results.items()}
     cols = ["system", "rate", "completed", "req_per_s", "out_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50",
-            "itl_p99", "e2e_p50", "e2e_p99"]
+            "itl_p99", "e2e_p50", "e2e_p99", "cached_frac"]
     rows = [r for rs in results.values() for r in rs]
     print(common.table(rows, cols, title=f"serving: {n} requests per rate, Poisson arrivals (times in s)"))
     for s, k in knee.items():
