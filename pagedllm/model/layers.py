@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, SwiGLU. Written to match transformers'
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, the bf16 linear. Written to match transformers'
 arithmetic (norms in float32, cos/sin computed in float32 then cast) so float32 logits agree to ~1e-6."""
 
 from __future__ import annotations
@@ -94,17 +94,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] weight."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
-        super().__init__()
-        self.intermediate = intermediate
-        self.gate_up = frozen_param(2 * intermediate, hidden, dtype=dtype)
-        self.down = frozen_param(hidden, intermediate, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = linear(x, self.gate_up)
-        return linear(F.silu(gu[:, :self.intermediate]) * gu[:, self.intermediate:], self.down)

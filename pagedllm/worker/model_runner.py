@@ -20,8 +20,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(config, block_size, dtype, num_blocks=num_blocks)
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
-        # Logits land in one reused buffer: a fresh [256, 49152] float32 tensor every step is 50 MB of new pages,
-        # ~40 ms of page faults per step on this VM (glibc maps allocations over 32 MB afresh each time).
+        # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
+        # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
+        # (the 256-running decode step of `pagedllm bench engine` measures it).
         self._logits = torch.empty(0)
         self.vocab_size = config.vocab_size
 

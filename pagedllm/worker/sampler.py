@@ -67,7 +67,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row picks the token whose cumulative mass first exceeds it.
-    (torch.multinomial and exponential noise cost 5-20x more over a 49k vocabulary on this CPU.)"""
+    (One cumsum and one search per row: torch.multinomial and exponential noise do more work per row over a
+    large vocabulary; the sampling rows of `pagedllm bench engine` measure a step's sampling cost.)"""
     cdf = probs.cumsum(-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
