@@ -39,3 +39,15 @@ def test_prefix_affinity_beats_round_robin(replicas):
     assert prefix.hit_rate > rr.hit_rate, (prefix, rr)
     assert prefix.imbalance < IMBALANCE_BOUND, prefix
     assert prefix.ttft_p50 <= rr.ttft_p50 * 1.1
+
+
+def test_bench_router_sim_quick_through_the_cli(tmp_path, capsys):
+    import json
+
+    from pagedllm.cli import main
+
+    assert main(["bench", "router_sim", "--quick", "--replicas", "2", "--conversations-per-replica", "4",
+                 "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "router_sim.json").read_text())["results"]
+    assert {r["policy"] for r in rows} == {"prefix", "least-loaded", "round-robin"}
+    assert "| replicas | policy" in capsys.readouterr().out
