@@ -120,3 +120,13 @@ def test_make_policy():
         make_policy("random", 2)
     with pytest.raises(ValueError, match="built for 2 replicas"):
         PrefixAffinityPolicy(2, B).choose([1] * 40, loads(3))
+
+
+def test_single_process_server_does_not_import_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedllm.cli, pagedllm.entrypoints.openai.server as s, pagedllm.benchmarks.router_sim; "
+            "pagedllm.cli.build_parser().parse_args(['serve']); "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
