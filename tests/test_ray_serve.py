@@ -49,7 +49,7 @@ def engine(tmp_path_factory):
             EngineArgs(model=str(model), dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
                        max_model_len=MAX_MODEL_LEN),
             DataParallelArgs(data_parallel_size=2, threads=1, health_interval=0.2, max_restarts=2,
-                             startup_timeout=300))
+                             startup_timeout=600))
         yield dp
     finally:
         if dp is not None:
