@@ -124,10 +124,10 @@ def test_failures_quote_no_internals(server, engine, monkeypatch):
     # an exception outside the engine (here: in request handling) goes to the generic 500 handler
     from pagedllm.entrypoints.openai import serving_completion
 
-    def broken_prompts(self, req):
+    async def broken_prompts(self, req):
         raise KeyError(secret)
 
-    monkeypatch.setattr(serving_completion.OpenAIServingCompletion, "_prompts", broken_prompts)
+    monkeypatch.setattr(serving_completion.OpenAIServingCompletion, "prompts", broken_prompts)
     r = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
     assert secret not in r.text and "KeyError" not in r.text
     openai_error(r, 500)

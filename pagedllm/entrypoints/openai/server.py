@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError, internal_error
@@ -54,14 +55,16 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
-              served_model_name: str | None = None, *, docs: bool | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              served_model_name: str | None = None, owns_engine: bool | None = None, *,
+              docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               request_body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app);
-    given an AsyncEngine, the caller owns it (the app only starts it). `docs` serves /docs and /openapi.json
-    (default: only when no API key is set, since they are not behind it)."""
-    owns_engine = not isinstance(engine, AsyncEngine)
-    async_engine = AsyncEngine.from_engine_args(engine) if owns_engine else engine
+    given an AsyncEngine (or another client with its interface, e.g. the data-parallel one), the caller owns
+    it (the app only starts it) unless owns_engine=True. `docs` serves /docs and /openapi.json (default: only
+    when no API key is set, since they are not behind it)."""
+    if owns_engine is None:
+        owns_engine = isinstance(engine, EngineArgs)
+    async_engine = AsyncEngine.from_engine_args(engine) if isinstance(engine, EngineArgs) else engine
     name = served_model_name or async_engine.model_name
     gate = ShutdownGate()
     preprocess = PromptPreprocessor(async_engine)
@@ -111,7 +114,10 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
     async def health() -> Response:
         if not async_engine.is_running:
             return OpenAIError(503, "engine is not running", code="engine_unavailable").response()
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        if hasattr(async_engine, "health_report"):  # data parallel: one entry per replica
+            body["replicas"] = async_engine.health_report()
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -149,6 +155,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "with an error event)")
     add_limit_args(parser)
     EngineArgs.add_cli_args(parser)
+    DataParallelArgs.add_cli_args(parser)
     return parser
 
 
@@ -160,7 +167,13 @@ def serve_main(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op if set
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(EngineArgs.from_cli_args(args), api_key=api_key, served_model_name=args.served_model_name,
+    engine: EngineArgs | Any = EngineArgs.from_cli_args(args)
+    dp = DataParallelArgs.from_cli_args(args)
+    if dp.enabled:  # N replicas on Ray; only then is Ray imported
+        from pagedllm.distributed.client import DataParallelEngine
+
+        engine = DataParallelEngine(engine, dp)
+    app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name, owns_engine=True,
                     docs=args.docs, max_request_body_bytes=args.max_request_body_bytes,
                     request_body_timeout=args.request_body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
