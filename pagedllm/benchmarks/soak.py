@@ -305,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
     for line in res["log"][:10]:
         print("  " + line)
     payload = {"bench": "soak", "env": common.environment(args.threads), "num_requests": args.num_requests,
+               "elapsed_s": res["elapsed_s"],
                "concurrency": args.concurrency, "server_args": server_args, "rows": rows, "rss_mb": res["rss"],
                "rss_growth_second_half": growth, "idle": idle, "checks": checks, "log": res["log"]}
     jp, _ = common.save("soak" + args.tag, payload, None, args.out_dir)
