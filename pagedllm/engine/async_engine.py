@@ -341,7 +341,8 @@ class AsyncEngine:
         except Exception:
             logger.exception("abort of %s failed", request_id)
         if tracked is not None:
-            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is left to tell
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._tracked):
