@@ -86,7 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  dtype, args.attention_backend)
+                                  dtype, args.attention_backend, args.batch_invariant)
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, RequestState] = {}
         self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedllm.kernels import batch_invariant
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear
@@ -75,7 +76,7 @@ class CausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif out is not None and hidden.dtype == torch.float32 and not cap:
+        elif out is not None and hidden.dtype == torch.float32 and not cap and not batch_invariant():
             return torch.mm(hidden, self.embed.t(), out=out)
         else:
             logits = linear(hidden, self.embed)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.kernels import batch_invariant
 from pagedllm.model import registry
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
@@ -84,8 +85,9 @@ class LlamaForCausalLM(CausalLM):
     def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
         """The fused decoder-layer op when this model and batch can use it (a capable architecture and config,
         bf16 weights and KV, the C++ attention kernel as backend, a CPU with avx512_bf16), else None."""
-        if not (self.fused_layers and self._fused_capable and h.dtype == torch.bfloat16 and h.shape[0] > 0
-                and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
+        # (not in batch-invariant mode: the fused layer's GEMMs switch kernels with the row count)
+        if not (self.fused_layers and self._fused_capable and not batch_invariant() and h.dtype == torch.bfloat16
+                and h.shape[0] > 0 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
                 and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None
         return bf16_kernel_op("decoder_layer_bf16")
