@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.attention import register_backend
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.reference import ReferenceBackend, copy_blocks, write_kv
+from pagedllm.attention.reference import copy_blocks, write_kv
 from pagedllm.kernels import load_ops, paged_attention
 
 
@@ -31,10 +31,8 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
-        if window is not None and window < meta.max_seq_len:  # TODO(model): windows in the C++ paths
-            return ReferenceBackend().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable)
+        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable, window=window)
 
 
 register_backend("cpu", CpuAttentionBackend, priority=20)
