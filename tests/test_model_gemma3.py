@@ -94,3 +94,22 @@ def test_greedy_decode_same_tokens(models):
     # transformers' greedy choice at every step, teacher-forced through one forward
     rows = list(range(504, len(toks) - 1))
     assert toks[505:] == hf_logits(hf, toks, rows).argmax(-1).tolist()
+
+
+def test_engine_on_the_cpu_kernel(models):
+    """The whole engine with the C++ kernel: chunked prefill across the window, decode past it, a prefix-cache hit,
+    and chat() on this base model (its GGUF has no chat template) saying so."""
+    from pagedllm import LLM, SamplingParams
+
+    ours, hf = models
+    llm = LLM(model=ours.path, dtype="float32", attention_backend="cpu", max_num_batched_tokens=256,
+              num_kv_blocks=160, block_size=16)
+    toks = prompt(540, 3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first, again = (llm.generate([toks], params, use_tqdm=False)[0] for _ in range(2))
+    got = first.outputs[0].token_ids
+    full = toks + got
+    assert got == hf_logits(hf, full, list(range(len(toks) - 1, len(full) - 1))).argmax(-1).tolist()
+    assert again.num_cached_tokens >= 512 and again.outputs[0].token_ids == got
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])

@@ -251,7 +251,8 @@ def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair):
         ours = load_model(pair.path, "bfloat16", attention_backend="cpu", load_tokenizer=False)
         toks = _rand_tokens(random.Random(11), 26)
         runner = PagedRunner(ours, dtype=torch.bfloat16, seed=3)
-        assert ours.model._fused_layer_op(torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
+        if ours.config.architecture != "gemma3" and ours.config.sliding_window is None:  # else torch layers
+            assert ours.model._fused_layer_op(torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
         seq = Seq(toks)
         runner.step([(seq, 18)])
         got = torch.cat([runner.step([(seq, 1)])[0] for _ in range(8)])
