@@ -11,7 +11,7 @@ from pagedllm.kernels import batch_invariant
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear
-from pagedllm.model.linear import Linear, LinearMethod
+from pagedllm.model.linear import DenseLinearMethod, Linear, LinearMethod
 
 
 class Attention(nn.Module):
@@ -72,15 +72,19 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V], into `out` when given."""
-        cap = self.config.final_logit_softcapping
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        elif out is not None and hidden.dtype == torch.float32 and not cap and not batch_invariant():
-            return torch.mm(hidden, self.embed.t(), out=out)
+        """hidden [N, H] -> float32 logits [N, V], into `out` when given (and shaped for them)."""
+        head = self.lm_head
+        if head is None or type(head.method) is DenseLinearMethod:  # (a subclass may compute otherwise)
+            w = self.embed if head is None else head.weight
+            if out is not None and hidden.dtype == torch.float32 and not batch_invariant():
+                logits = torch.mm(hidden, w.t(), out=out)  # no [N, V] temporary
+            else:
+                logits = linear(hidden, w).float()
         else:
-            logits = linear(hidden, self.embed)
-        logits = logits.float() if out is None else out.copy_(logits)
+            logits = head(hidden).float()
+        if out is not None and logits.data_ptr() != out.data_ptr() and out.shape == logits.shape:
+            logits = out.copy_(logits)
+        cap = self.config.final_logit_softcapping
         if cap:
             logits.div_(cap).tanh_().mul_(cap)
         return logits
