@@ -13,7 +13,7 @@ from pagedllm.model.kv_cache import allocate_kv_caches
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
         self.block_size = block_size
@@ -24,7 +24,7 @@ class ModelRunner:
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).
-        self._logits = torch.empty(0)
+        self._logits = torch.empty(0, config.vocab_size)
         self.vocab_size = config.vocab_size
 
     @torch.inference_mode()
