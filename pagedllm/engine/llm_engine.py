@@ -13,11 +13,13 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
+from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler, SamplingRow
@@ -54,9 +56,11 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: the other samples fork from the first once the prompt is prefilled
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,7 +69,8 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.seqs], self.finished,
-                             self.seqs[0].request.num_cached_tokens, self.error)
+                             self.seqs[0].request.num_cached_tokens, self.error, self.metrics,
+                             self.prompt_logprobs)
 
 
 class LLMEngine:
@@ -93,6 +98,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence
         self._state_of: dict[int, RequestState] = {}  # id(Request) -> RequestState
+        self._prompt_logprobs_of: dict[int, tuple] = {}  # id(Request) -> (k, entries) while it wants them
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
                     time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
@@ -118,24 +124,32 @@ class LLMEngine:
         check_token_ids(ids, self.model_config.vocab_size)
         return ids
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs."""
+        return render_chat_template(self.tokenizer, messages, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
+        params.prepare(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         self.scheduler.check_fits(len(ids))
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
+        if params.prompt_logprobs is not None:
+            cache_salt = no_cache_salt(request_id, cache_salt)
         req = Request(request_id, ids, max_tokens, cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens,
+                             RequestMetrics(req.arrival_time))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(ids)
+            self._prompt_logprobs_of[id(req)] = (params.prompt_logprobs, state.prompt_logprobs)
         self._add_sequence(state, req, 0)
         self.scheduler.add_request(req)
         self.requests[request_id] = state
@@ -144,7 +158,7 @@ class LLMEngine:
         p = state.params
         gen = None if p.seed is None else torch.Generator().manual_seed(p.seed + index)
         seq = Sequence(req, index, IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop,
-                                                          p.skip_special_tokens),
+                                                          p.skip_special_tokens, p.include_stop_str_in_output),
                        gen, [] if p.logprobs is not None else None)
         state.seqs.append(seq)
         self._seq_of[id(req)] = seq
@@ -168,6 +182,7 @@ class LLMEngine:
         for s in state.seqs:
             self._seq_of.pop(id(s.request), None)
             self._state_of.pop(id(s.request), None)
+            self._prompt_logprobs_of.pop(id(s.request), None)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -177,6 +192,10 @@ class LLMEngine:
         kv = self.kv.stats()
         self._slot_samples[0] += kv["used_slots"]
         self._slot_samples[1] += kv["allocated_slots"]
+        now = time.monotonic()
+        for s in out.scheduled:
+            m = self._state_of[id(s.request)].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
         ready, logits = self.run_model(out)
         touched: dict[int, RequestState] = {}
         rows: list[SamplingRow] = []
@@ -206,8 +225,12 @@ class LLMEngine:
                     for s in state.seqs:
                         s.finish_reason = s.finish_reason or "abort"
         outputs = []
+        now = time.monotonic()
         for state in touched.values():
+            state.metrics.first_token_time = state.metrics.first_token_time or now
+            state.metrics.last_token_time = now
             if state.error or state.finished:
+                state.metrics.finished_time = now
                 self.requests.pop(state.request_id, None)
                 self._release(state, RequestStatus.FINISHED_STOPPED)
             outputs.append(state.output())
@@ -221,6 +244,9 @@ class LLMEngine:
         sample_rows = [i for i, s in enumerate(scheduled)
                        if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
         logits = self.runner.execute(scheduled, block_tables, out.block_copies, sample_rows)
+        if self._prompt_logprobs_of:
+            collect_prompt_logprobs(self.runner.model, self.runner.last_hidden, scheduled,
+                                    lambda r: self._prompt_logprobs_of.get(id(r)), self._decode_one)
         self.scheduler.update_after_step(out)
         return [(row, scheduled[i].request) for row, i in enumerate(sample_rows)], logits
 
@@ -256,7 +282,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif (stop := seq.detokenizer.add_token(token)) is not None:
+        elif (stop := seq.detokenizer.add_token(token, req.num_output_tokens >= p.min_tokens)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"

@@ -43,6 +43,7 @@ class ModelRunner:
         meta = build_attention_metadata(block_tables, num_computed.tolist(), num_new.tolist(), self.block_size)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
                             self.kv_caches, meta)
+        self.last_hidden = hidden  # every new token's hidden state, in scheduled order (prompt_logprobs)
         last = torch.from_numpy(np.cumsum(num_new)[sample_rows] - 1)
         if self._logits.shape[0] < len(last):
             self._logits = torch.empty(len(last), self.vocab_size, dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from typing import Any, Literal
 
@@ -9,12 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
 
+try:
+    VERSION = importlib.metadata.version("pagedllm")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "0+unknown"
+SYSTEM_FINGERPRINT = f"pagedllm-{VERSION}"
 MAX_N = 128  # as OpenAI: each sample holds its own blocks once it diverges
 
 
 class OpenAIModel(BaseModel):
-    # Unknown request fields are an error (as with OpenAI), so that typos do not pass silently.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown request fields are accepted and ignored (the server logs their names once), as vLLM does:
+    # clients such as LangChain and newer SDKs send fields we do not know.
+    model_config = ConfigDict(extra="allow")
 
 
 # --- errors and models ---------------------------------------------------------------------------------------
@@ -45,6 +52,7 @@ class ModelList(BaseModel):
 # --- shared pieces -------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far in every chunk
 
 
 class PromptTokensDetails(BaseModel):
@@ -81,11 +89,17 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    request_id: str | None = None  # the response id (vLLM); random when not given
+    priority: int = 0  # accepted; requests are served first come, first served
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         return SamplingParams(
@@ -104,11 +118,22 @@ class _SamplingFields(OpenAIModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # --- /v1/completions -----------------------------------------------------------------------------------------
@@ -137,12 +162,16 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]  # vLLM's: per prompt token {token id: {logprob, ...}}
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -150,6 +179,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -159,6 +189,7 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -212,6 +243,17 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
+    # chat template controls (vLLM names)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_options(self, default_template: str | None = None) -> dict[str, Any]:
+        return {"chat_template": self.chat_template or default_template,
+                "chat_template_kwargs": self.chat_template_kwargs,
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.tools or self.functions:
@@ -259,8 +301,10 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -281,5 +325,6 @@ class ChatCompletionStreamResponse(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
