@@ -78,3 +78,25 @@ def test_serve_flags_as_vllm():
         for action in sub.choices[name]._actions:
             if action.option_strings and action.help != argparse.SUPPRESS and "-h" not in action.option_strings:
                 assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_chat_line_editing_keeps_history(tmp_path, monkeypatch):
+    """On a terminal, `pagedllm chat` reads lines through readline and keeps its history across sessions."""
+    readline = __import__("pytest").importorskip("readline")
+    import sys
+
+    from pagedllm.engine.chat_session import line_editing
+
+    history = str(tmp_path / "hist")
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
+    with line_editing(history) as editing:
+        assert not editing  # piped input: plain reads
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    readline.clear_history()
+    with line_editing(history) as editing:
+        assert editing
+        readline.add_history("what is paging?")
+    readline.clear_history()
+    with line_editing(history):
+        assert readline.get_history_item(readline.get_current_history_length()) == "what is paging?"

@@ -82,3 +82,35 @@ def test_prompt_logprobs_equal_transformers(tmp_path):
         assert {t: plp[5][t].rank for t in top.indices.tolist()} == {t: r for r, t in
                                                                       enumerate(top.indices.tolist(), 1)}
     assert llm.kv_cache_stats()["num_free_blocks"] == 64
+
+
+def test_generation_config_defaults_and_hub_id_from_cache(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    import huggingface_hub.constants
+
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    path = make_tiny_model(tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 7, "max_new_tokens": 3}))
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    shutil.copytree(path, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    llm = make_llm("acme/tiny", num_kv_blocks=32)  # a hub id, found in the (offline) cache
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 3)
+    (out,) = llm.generate(["The fox"], use_tqdm=False)
+    (greedy,) = llm.generate(["The fox"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids and len(out.outputs[0].token_ids) <= 3
+    assert make_llm("acme/tiny", num_kv_blocks=32, generation_config="vllm").engine.generation_defaults == {}
+    with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
+        make_llm("acme/not-there")
+    # the server: fields a request leaves out take the model's defaults; given ones win
+    p = CompletionRequest(prompt="x").to_sampling_params(llm.engine.generation_defaults)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 7, 16)  # completions' max_tokens defaults to 16
+    p = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=0.5).to_sampling_params(
+        llm.engine.generation_defaults)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.5, 7, 3)

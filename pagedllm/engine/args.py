@@ -36,6 +36,7 @@ class EngineArgs:
     kv_layout: str = "paged"
     attention_backend: str = "auto"
     seed: int = 0
+    generation_config: str = "auto"  # default sampling from the model ("auto"), none ("vllm"), or a directory
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "auto"):
@@ -84,6 +85,9 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend,
                        help="auto, reference (the pure-torch oracle) or a kernel name")
         g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's sampler")
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="default sampling parameters: 'auto' = the model's generation_config.json / GGUF "
+                            "sampling keys, 'vllm' = none, or a directory with a generation_config.json")
         g.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")
 

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.metrics import EngineMetrics, StatsLogger
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -136,6 +135,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict:
+        return getattr(self.engine, "generation_defaults", {})
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> str:
         # Pure function of the tokenizer: safe to call outside the loop thread.
@@ -377,7 +380,6 @@ class AsyncEngine:
             stats = dict(self.engine.kv_cache_stats())
             stats["num_running"] = self.engine.num_running()
             stats["num_waiting"] = self.engine.num_waiting()
-            stats["num_cached_free_blocks"] = num_cached_free_blocks(self.engine.kv)
         except Exception:
             logger.exception("reading engine stats failed")
             return

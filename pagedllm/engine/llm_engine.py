@@ -15,8 +15,11 @@ from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.generation_config import generation_defaults
+from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
 from pagedllm.model.config import check_token_ids
+from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -77,8 +80,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-        loaded = load_model(args.model, dtype)
+        self.model_path = resolve_model_path(args.model)
+        loaded = load_model(self.model_path, dtype)
         self.args = args
+        self.generation_defaults = generation_defaults(self.model_path, args.generation_config)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -307,6 +312,7 @@ class LLMEngine:
     def kv_cache_stats(self) -> dict:
         stats = dict(self.kv.stats())
         stats["num_preemptions"] = self.scheduler.num_preemptions
+        stats["num_cached_free_blocks"] = num_cached_free_blocks(self.kv)  # free, still holding a prefix
         used, allocated = self._slot_samples  # sampled at every step, after scheduling
         stats["mean_slot_utilisation"] = used / allocated if allocated else 0.0
         return stats

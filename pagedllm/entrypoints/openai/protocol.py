@@ -83,8 +83,8 @@ class _SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     # extras (vLLM names)
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -98,17 +98,26 @@ class _SamplingFields(OpenAIModel):
     request_id: str | None = None  # the response id (vLLM); random when not given
     priority: int = 0  # accepted; requests are served first come, first served
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the parameter when a value is out of range."""
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Fields the request leaves out take the model's defaults (--generation-config), then vLLM's.
+        Raises ValueError naming the parameter when a value is out of range."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+             **(defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return d[name] if value is None else value
+
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p,
-            max_tokens=max_tokens,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            max_tokens=d.get("max_tokens") if max_tokens is None else max_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -116,7 +125,7 @@ class _SamplingFields(OpenAIModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -145,14 +154,14 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("logprobs is not supported together with echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class CompletionLogprobs(BaseModel):
@@ -255,7 +264,7 @@ class ChatCompletionRequest(_SamplingFields):
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.tools or self.functions:
             raise ValueError("tools is not supported")
         if self.modalities and set(self.modalities) != {"text"}:
@@ -266,7 +275,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class ChatLogprobTop(BaseModel):
