@@ -100,3 +100,10 @@ def test_chat_line_editing_keeps_history(tmp_path, monkeypatch):
     readline.clear_history()
     with line_editing(history):
         assert readline.get_history_item(readline.get_current_history_length()) == "what is paging?"
+
+
+def test_bench_blocks_quick_runs_through_the_cli(capsys):
+    # README documents `pagedllm bench <name> --quick` for every bench, blocks included
+    assert main(["bench", "blocks", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1,000 blocks | 10,000 blocks |" in out and "| decode step (per call) |" in out
