@@ -170,6 +170,11 @@ def test_chat_template_controls(server, client):
     assert text(add_generation_prompt=False, continue_final_message=True).endswith("Hello wor")
     own = "{{ greeting }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     assert text(chat_template=own, chat_template_kwargs={"greeting": "HEY"}) == "HEY[hi][Hello wor]"
+    templated = post(server, "/tokenize", {"messages": messages, "chat_template": own,
+                                           "chat_template_kwargs": {"greeting": "HEY"}}).json()["count"]
+    c = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body={
+        "chat_template": own, "chat_template_kwargs": {"greeting": "HEY"}})
+    assert c.usage.prompt_tokens == templated
     # the same controls on /v1/chat/completions (usage counts the templated prompt)
     a = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1,
                                        extra_body={"add_generation_prompt": False, "continue_final_message": True})

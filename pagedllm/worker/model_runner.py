@@ -25,8 +25,8 @@ class ModelRunner:
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).
-        self._logits = torch.empty(0)
         self.vocab_size = config.vocab_size
+        self._logits = torch.empty(0, self.vocab_size)  # 2-D even when empty: a step may sample no row
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]],
