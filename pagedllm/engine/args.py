@@ -56,8 +56,9 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        """The engine flags, spelled as vLLM's. positional_model: `pagedllm serve MODEL` (--model still works)."""
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False, threads: bool = True) -> None:
+        """The engine flags, spelled as vLLM's. positional_model: `pagedllm serve MODEL` (--model still works).
+        threads=False: the caller adds its own --threads (serve: per data-parallel replica)."""
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         model_help = "HF directory, .gguf file or a hub id in the local HF cache (default: embedded SmolLM2-135M)"
@@ -95,8 +96,9 @@ class EngineArgs:
         g.add_argument("--generation-config", default=d.generation_config,
                        help="default sampling parameters: 'auto' = the model's generation_config.json / GGUF "
                             "sampling keys, 'vllm' = none, or a directory with a generation_config.json")
-        g.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")
+        if threads:
+            g.add_argument("--threads", type=int, default=None,
+                           help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -76,14 +77,18 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None = None,
-              served_model_name: str | list[str] | None = None, *, allowed_origins: list[str] | None = None,
-              chat_template: str | None = None, **engine_options: Any) -> FastAPI:
+              served_model_name: str | list[str] | None = None, owns_engine: bool | None = None, *,
+              allowed_origins: list[str] | None = None, chat_template: str | None = None,
+              **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
-    engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine, the
-    caller owns it (the app only starts it). served_model_name: the ids clients may use (the first is reported).
+    engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
+    another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
+    unless owns_engine=True. served_model_name: the ids clients may use (the first is reported).
     chat_template: template text used when a request names none. allowed_origins: CORS."""
-    owns_engine = not isinstance(engine, AsyncEngine)
-    async_engine = AsyncEngine.from_engine_args(engine, **engine_options) if owns_engine else engine
+    if owns_engine is None:
+        owns_engine = isinstance(engine, EngineArgs)
+    async_engine = (AsyncEngine.from_engine_args(engine, **engine_options) if isinstance(engine, EngineArgs)
+                    else engine)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [async_engine.model_name]
     name = names[0]
@@ -94,7 +99,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        logger.info("serving %s as %s: %s", async_engine.model_name, names, startup_summary(async_engine.engine))
+        if isinstance(async_engine, AsyncEngine):  # (the data-parallel client logs its replicas itself)
+            logger.info("serving %s as %s: %s", async_engine.model_name, names, startup_summary(async_engine.engine))
         async_engine.start()
         try:
             yield
@@ -134,7 +140,10 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     async def health() -> Response:
         if not async_engine.is_running:
             return OpenAIError(503, "engine is not running", code="engine_unavailable").response()
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        if hasattr(async_engine, "health_report"):  # data parallel: one entry per replica
+            body["replicas"] = async_engine.health_report()
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -158,7 +167,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         return await chat.create(req, raw)
 
     add_extra_routes(app, tokens)
-    add_kv_routes(app, async_engine)
+    if isinstance(async_engine, AsyncEngine):  # the KV map shows one engine's pool
+        add_kv_routes(app, async_engine)
     return app
 
 
@@ -185,7 +195,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's own log level")
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
-    EngineArgs.add_cli_args(parser, positional_model=True)
+    EngineArgs.add_cli_args(parser, positional_model=True, threads=False)  # --threads comes with the next
+    DataParallelArgs.add_cli_args(parser)
     return parser
 
 
@@ -218,9 +229,14 @@ def serve_main(args: argparse.Namespace) -> None:
     env_key = os.environ.get(API_KEY_ENV)
     api_keys = (args.api_key or []) + ([env_key] if env_key else [])
     origins = [o for group in args.allowed_origins or [] for o in group]
-    app = build_app(EngineArgs.from_cli_args(args), api_key=api_keys or None,
-                    served_model_name=args.served_model_name, allowed_origins=origins or None,
-                    chat_template=read_chat_template(args.chat_template),
+    engine: EngineArgs | Any = EngineArgs.from_cli_args(args)
+    dp = DataParallelArgs.from_cli_args(args)
+    if dp.enabled:  # N replicas on Ray; only then is Ray imported
+        from pagedllm.distributed.client import DataParallelEngine
+
+        engine = DataParallelEngine(engine, dp)
+    app = build_app(engine, api_key=api_keys or None, served_model_name=args.served_model_name, owns_engine=True,
+                    allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
                     log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                     log_requests=args.enable_log_requests, log_prompts=args.log_prompts)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -183,7 +183,7 @@ class OpenAIServing:
         self.warn_unknown_fields(req)
         self.check_model(req.model)
         try:
-            params = req.to_sampling_params(self.engine.generation_defaults)
+            params = req.to_sampling_params(getattr(self.engine, "generation_defaults", None))
         except ValueError as e:
             raise bad_request(e, self.request_params) from e
         prompts = self.prompts(req)

@@ -61,7 +61,10 @@ class OpenAIServingTokens(OpenAIServing):
             return tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         if req.add_special_tokens is False:
             return tok.encode(req.prompt, add_special_tokens=False)
-        return self.engine.engine.tokenize(req.prompt) if req.prompt else []
+        if not req.prompt:
+            return []
+        local = getattr(self.engine, "engine", None)  # the engine's own rule (no doubled BOS) where it is local
+        return local.tokenize(req.prompt) if local is not None else tok.encode(req.prompt)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.warn_unknown_fields(req)
@@ -103,6 +106,9 @@ def add_extra_routes(app: FastAPI, tokens: OpenAIServingTokens) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:
         """Forget every cached prefix block; refused (409) while requests hold blocks."""
+        if not hasattr(engine, "call"):
+            raise OpenAIError(501, "reset_prefix_cache is not available with data-parallel replicas",
+                              code="not_implemented")
         if not await engine.call(lambda e: e.kv.reset_prefix_cache()):
             raise OpenAIError(409, "cannot reset the prefix cache while requests hold KV blocks",
                               code="engine_busy")
