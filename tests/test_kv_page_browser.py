@@ -58,7 +58,7 @@ def run_workload(engine: AsyncEngine, stop: threading.Event) -> threading.Thread
         long = asyncio.ensure_future(one("Paged attention stores keys and values in blocks. " * 3,
                                          SamplingParams(n=4, max_tokens=300, ignore_eos=True, temperature=1.0)))
         i = 0
-        while not stop.is_set() and not long.done():
+        while not stop.is_set():
             await one(f"The quick brown fox {i} jumps over the lazy dog.", SamplingParams(max_tokens=20))
             i += 1
         long.cancel()
@@ -96,7 +96,9 @@ def test_kv_page_live(live):
                 time.sleep(0.3)
             assert seen_shared, "no shared blocks shown for the n=4 request"
             page.screenshot(path=str(ARTIFACTS / "kv_page.png"), full_page=True)
-            # hovering a held cell names its request and token range
+            # hovering a held cell names its request and token range (polling paused: one fixed picture)
+            page.evaluate("window.kvPaused = true")
+            time.sleep(1.0)
             box = page.locator("#grid").bounding_box()
             cells = json.loads(page.evaluate("JSON.stringify(snap.cells)"))
             cols = page.evaluate("layout(snap.num_blocks).cols")
