@@ -228,7 +228,7 @@ def test_bfloat16_close_to_transformers_bfloat16(pair):
         pair.hf.float()
 
 
-def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair):
+def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_dependent_kernels):
     """One-token bf16 steps on the C++ backend: where the CPU has avx512_bf16 they run the fused decoder layer
     (decoder_layer.cpp), the prefill before them the torch layers."""
     from pagedllm.model.layers import bf16_kernel_op

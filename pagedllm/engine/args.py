@@ -39,7 +39,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     # every kernel computes a row the same way whatever the batch: tokens do not depend on batching, chunking,
     # the prefix cache or preemption (README: what turning it off trades)
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     seed: int = 0
     generation_config: str = "auto"  # default sampling from the model ("auto"), none ("vllm"), or a directory
 

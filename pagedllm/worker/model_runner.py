@@ -13,7 +13,7 @@ from pagedllm.model.kv_cache import allocate_kv_caches
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
         self.block_size = block_size
