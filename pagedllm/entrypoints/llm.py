@@ -15,27 +15,36 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-_PROMPT_TYPES = "a str, a list of token ids, or a list of those"
+Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": [...]}
+_PROMPT_TYPES = "a str, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', or a list of those"
 
 
 def _is_token_ids(x: object) -> bool:
     return isinstance(x, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _unwrap(prompt: Prompt, where: str = "prompt") -> str | list[int]:
+    if isinstance(prompt, dict):
+        keys = set(prompt) & {"prompt", "prompt_token_ids"}
+        if len(keys) != 1:
+            raise ValueError(f"{where}: a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids', "
+                             f"got keys {sorted(prompt)}")
+        prompt = prompt[keys.pop()]
+    if not isinstance(prompt, str) and not _is_token_ids(prompt):
+        raise TypeError(f"{where} must be a str or a list of token ids, got {type(prompt).__name__}")
+    return prompt if isinstance(prompt, str) else list(prompt)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
     """The prompts as a list; TypeError naming the prompt otherwise (not a bare `list(...)` failure)."""
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, str | dict):
+        return [_unwrap(prompts)]
     if not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be {_PROMPT_TYPES}, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and _is_token_ids(prompts):
         return [prompts]  # a single prompt given as token ids
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str) and not _is_token_ids(p):
-            raise TypeError(f"prompts[{i}] must be a str or a list of token ids, got {type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    return [_unwrap(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
 
 class LLM:
@@ -46,6 +55,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended defaults (--generation-config), as vLLM's."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -54,7 +67,7 @@ class LLM:
             logger.warning("LLM.generate got no prompts: nothing to do")  # as vLLM: an empty result, not an error
             return []
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -74,12 +87,20 @@ class LLM:
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True,
+                   postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        tokens_in = tokens_out = 0
         try:
             while any(r is None for r in results):
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        tokens_in += len(out.prompt_token_ids)
+                        tokens_out += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        # as vLLM's bar: tokens of the finished requests over the time so far
+                        bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
+                                            f"output: {tokens_out / elapsed:.2f} toks/s", refresh=False)
                         bar.update(1)
         except BaseException:
             self.engine.abort_request(list(order))
@@ -92,7 +113,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        prompts: list[Prompt] = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):

@@ -18,25 +18,31 @@ def _unauthorized(message: str, status: int = 401) -> OpenAIError:
     return OpenAIError(status, message, code="invalid_api_key")
 
 
-class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>` (scheme case-insensitive, RFC 7235), exactly one such
-    header; checked before the body is even read."""
+PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engine's state
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Every /v1 route (and POST /reset_prefix_cache) needs `Authorization: Bearer <key>` with one of the keys
+    (scheme case-insensitive, RFC 7235), in exactly one such header; checked before the body is even read."""
+
+    def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [k.encode() for k in ([api_key] if isinstance(api_key, str) else api_key)]
 
     def _error(self, scope: Scope) -> OpenAIError | None:
         values = [v for k, v in scope["headers"] if k == b"authorization"]
         if len(values) > 1:  # which one would a proxy have checked? refuse to guess
             return _unauthorized("Send exactly one Authorization header.", status=400)
         scheme, _, token = (values[0] if values else b"").strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+        # compare with every key (no early exit) so that timing tells nothing about which one came close
+        matches = [hmac.compare_digest(token.strip(), k) for k in self.expected]
+        if scheme.lower() != b"bearer" or not any(matches):
             return _unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`.")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in PROTECTED_PATHS:
             err = self._error(scope)
             if err is not None:
                 await err.response()(scope, receive, send)

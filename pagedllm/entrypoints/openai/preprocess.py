@@ -5,6 +5,7 @@ huge prompt delays only its own request, never the engine loop (which steps ever
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,8 @@ class PromptPreprocessor:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def render_chat(self, messages: list[dict]) -> str:
-        return await self._run(self.engine.apply_chat_template, messages)
+    async def render_chat(self, messages: list[dict], **template_options: Any) -> str:
+        return await self._run(functools.partial(self.engine.apply_chat_template, messages, **template_options))
 
     async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> dict[str, Any]:
         """The prompt's token ids as add_request keywords; a 400 as soon as its length shows it cannot fit in
