@@ -117,6 +117,30 @@ def test_prefix_family_hits_the_cache(client):
     assert sum(hits) >= 0.9 * len(hits), hits  # only the family's first request may miss
 
 
+def test_conversation_turns_hit_under_prefix_routing_not_round_robin(client, engine):
+    """Each turn's prompt extends the previous one: with prefix routing it lands where the previous turn's
+    blocks are cached; round-robin sends it to the other replica, which only has the turn before that."""
+    from pagedllm.distributed.routing import make_policy
+
+    rng = random.Random(time.time_ns())
+    covered = {}
+    try:
+        for name in ("round-robin", "prefix"):
+            engine.policy = make_policy(name, 2, BLOCK)
+            prompt, previous_blocks, covered[name] = ids(rng, 2 * BLOCK), None, 0
+            for _ in range(8):
+                r = client.completions.create(model="smol", prompt=prompt, max_tokens=2, temperature=0)
+                # covered: every full block of the previous turn's prompt came from the cache
+                if previous_blocks is not None:
+                    covered[name] += r.usage.prompt_tokens_details.cached_tokens >= previous_blocks
+                previous_blocks = len(prompt) // BLOCK * BLOCK
+                prompt = prompt + ids(rng, BLOCK + 8)  # the reply and the next user message
+    finally:
+        engine.policy = make_policy("prefix", 2, BLOCK, table_blocks=NUM_BLOCKS)
+    assert covered["prefix"] >= 0.9 * 7, covered
+    assert covered["round-robin"] <= 0.5 * 7, covered
+
+
 def test_chat_stream_and_n(client):
     chunks = list(client.chat.completions.create(
         model="smol", messages=[{"role": "user", "content": "Say hi."}], max_tokens=5, temperature=0,
