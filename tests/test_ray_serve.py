@@ -41,6 +41,9 @@ MAX_MODEL_LEN = 512
 def engine(tmp_path_factory):
     """One small local Ray for the module, always shut down."""
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    # On this shared machine Ray's own memory monitor kills workers when the whole node passes 95% of its
+    # memory, whoever uses it; the replicas here are small, so let only the kernel decide.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     dp = None
