@@ -37,6 +37,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     kv_layout: str = "paged"
     attention_backend: str = "auto"
+    # every kernel computes a row the same way whatever the batch: tokens do not depend on batching, chunking,
+    # the prefix cache or preemption (README: what turning it off trades)
+    batch_invariant: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +70,8 @@ class EngineArgs:
         g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"])
         g.add_argument("--attention-backend", default=d.attention_backend)
+        g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
+                       help="outputs independent of batching, chunking and the prefix cache (default: on)")
         g.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedllm.kernels import batch_invariant
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding, apply_rope, bf16_kernel_op, frozen_param, linear
@@ -126,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
     def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
         """The fused decoder-layer op when this model and batch can use it (a capable architecture and config,
         bf16 weights and KV, the C++ attention kernel as backend, a CPU with avx512_bf16), else None."""
-        if not (self.fused_layers and self._fused_capable and h.dtype == torch.bfloat16 and h.shape[0] > 0
+        # (not in batch-invariant mode: the fused layer's GEMMs switch kernels with the row count)
+        if not (self.fused_layers and not batch_invariant() and self._fused_capable and h.dtype == torch.bfloat16 and h.shape[0] > 0
                 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
                 and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None
@@ -137,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, H] -> float32 logits [N, V], into `out` when given."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif out is not None and hidden.dtype == torch.float32:
+        elif out is not None and hidden.dtype == torch.float32 and not batch_invariant():
             return torch.mm(hidden, self.embed.t(), out=out)
         else:
             logits = linear(hidden, self.embed)

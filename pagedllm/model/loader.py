@@ -23,6 +23,7 @@ from pagedllm.dtypes import resolve_dtype
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig, check_token_ids
 from pagedllm.model.weight_loading import load_weights
+from pagedllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +144,6 @@ def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:
 
 
 # ---- GGUF tokenizer, cached on disk ---------------------------------------------------------------------------
-def cache_dir() -> str:
-    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-
-
 def _file_key(path: str) -> str:
     st = os.stat(path)
     ident = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
