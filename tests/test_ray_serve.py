@@ -28,7 +28,7 @@ from pagedllm.distributed.client import DataParallelEngine  # noqa: E402
 from pagedllm.engine.args import EngineArgs  # noqa: E402
 from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # replica start waits for any kernel build
 
 API_KEY = "sk-dp-" + "".join(random.choices("abcdef0123456789", k=12))
 BLOCK = 16
