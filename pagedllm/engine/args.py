@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class EngineArgs:
     kv_layout: str = "paged"
     attention_backend: str = "auto"
     seed: int = 0
+    speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "auto"):
@@ -48,6 +50,10 @@ class EngineArgs:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         parse_bytes(self.kv_cache_memory)
+        if self.speculative_config is not None:
+            from pagedllm.engine.speculative import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # a bad config fails here, before loading
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +72,9 @@ class EngineArgs:
         g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"])
         g.add_argument("--attention-backend", default=d.attention_backend)
         g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                            '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -8,6 +8,7 @@ Naming: a user request is a `RequestState`; each of its n samples is a `SampleSt
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # core request id -> its sample
         self.spec_stats = SpecDecodeStats()
+        self.on_verified: Callable[[Request, int, int], None] | None = None  # (request, drafts, accepted)
 
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, state: RequestState, arrival_time: float | None) -> Request:
@@ -217,6 +219,8 @@ class OutputProcessor:
             self.spec_stats.num_drafts += 1
             self.spec_stats.num_draft_tokens += len(drafts)
             self.spec_stats.num_accepted_tokens += num_accepted
+            if self.on_verified is not None:
+                self.on_verified(sample.request, len(drafts), num_accepted)
             self.scheduler.accept_draft_tokens(sample.request, num_accepted)
 
     def _append_token(self, state: RequestState, sample: SampleState, sampled: SamplerOutput, r: int) -> bool:
