@@ -11,6 +11,7 @@ import torch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.speculative import make_speculator
@@ -24,13 +25,12 @@ from pagedllm.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        dtype = resolve_dtype(args.dtype)
         loaded = load_model(args.model, dtype)
         self.args = args
         self.model_config = loaded.config
@@ -41,13 +41,13 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
 
         num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, args.block_size, _DTYPES[dtype], parse_bytes(args.kv_cache_memory))
+            self.model_config, args.block_size, dtype, parse_bytes(args.kv_cache_memory))
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_layout=args.kv_layout, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  _DTYPES[dtype], args.attention_backend)
+                                  dtype, args.attention_backend, args.batch_invariant)
         self.sampler = Sampler(args.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
                                                 self.max_model_len)
@@ -59,7 +59,7 @@ class LLMEngine:
                                               vocab_size=self.model_config.vocab_size)
             self.output_processor.on_verified = self.speculator.observe
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
-                    time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
+                    time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."), num_blocks, args.block_size,
                     num_blocks * args.block_size)
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention import copy_blocks, get_backend
 from pagedllm.attention.metadata import build_attention_metadata, compute_positions
 from pagedllm.core.scheduler import ScheduledRequest
@@ -12,8 +13,9 @@ from pagedllm.model.kv_cache import allocate_kv_caches
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto") -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
         self.kv_caches = allocate_kv_caches(config, block_size, dtype, num_blocks=num_blocks)
@@ -30,6 +32,7 @@ class ModelRunner:
                 block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run one step; return float32 logits for the rows that sample (each entry with `samples`: its last
         1 + draft tokens, in order). The logits live in a buffer the next call overwrites."""
+        kernels.set_batch_invariant(self.batch_invariant)  # per step: engines in one process may differ
         if block_copies:
             copy_blocks(self.kv_caches, block_copies)
         num_computed = [s.request.num_computed_tokens for s in scheduled]
