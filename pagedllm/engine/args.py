@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class EngineArgs:
     # the prefix cache or preemption (README: what turning it off trades)
     batch_invariant: bool = True
     seed: int = 0
+    speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4}
     generation_config: str = "auto"  # default sampling from the model ("auto"), none ("vllm"), or a directory
 
     def __post_init__(self) -> None:
@@ -54,6 +56,10 @@ class EngineArgs:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         parse_bytes(self.kv_cache_memory)
+        if self.speculative_config is not None:
+            from pagedllm.engine.speculative import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # a bad config fails here, before loading
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False, threads: bool = True) -> None:
@@ -93,6 +99,9 @@ class EngineArgs:
         g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
                        help="outputs independent of batching, chunking and the prefix cache")
         g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's sampler")
+        g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                            '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
         g.add_argument("--generation-config", default=d.generation_config,
                        help="default sampling parameters: 'auto' = the model's generation_config.json / GGUF "
                             "sampling keys, 'vllm' = none, or a directory with a generation_config.json")
