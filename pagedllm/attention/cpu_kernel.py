@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCE = _CSRC / "paged_attention.cpp"
 # one extension, one torch.ops namespace; the header is hashed with the sources (a change to it rebuilds)
-SOURCES = [SOURCE, *(_CSRC / f for f in ("small_gemm.cpp", "sampler.cpp", "decoder_layer.cpp"))]
-HEADERS = [_CSRC / "kernels.h"]
+_QUANT = Path(__file__).parent.parent / "quantization" / "csrc"
+SOURCES = [SOURCE, *(_CSRC / f for f in ("small_gemm.cpp", "sampler.cpp", "decoder_layer.cpp")), _QUANT / "quant_gemm.cpp"]
+HEADERS = [_CSRC / "kernels.h", _QUANT / "quant_gemm.h"]
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 _lock = threading.Lock()
 _ops = None
@@ -60,6 +61,11 @@ def build_variant(flags: set[str] | None = None) -> tuple[str, list[str]]:
         if "avx512_bf16" in flags:
             isa.append("-mavx512bf16")
             name += "bf16"
+        if "avx512_vnni" in flags:  # the quantized GEMM's vpdpbusd
+            isa.append("-mavx512vnni")
+            name += "vnni"
+        if "f16c" in flags:
+            isa.append("-mf16c")
         return name, isa
     if "avx2" in flags and "fma" in flags:  # portable code, auto-vectorised for AVX2
         return "avx2", ["-mavx2", "-mfma"]
