@@ -293,21 +293,80 @@ float offset_term(const float* o16, const float* ao16, int64_t nb) {
 #endif
 }
 
+// A weight row read 64 elements at a time: codes q and lane scales s per chunk; o16() its per-16 offsets once
+// every chunk was read. BufferedRow reads an unpacked row (any type, any batch size).
+struct BufferedRow {
+  const WeightRow* w;
+  const float* o16() const { return w->o16.data(); }
 #if QG_VNNI
-template <int NR, int MR>
-void dot_tile(const WeightRow* const* w, const ActRows& acts, int64_t m0, float (*res)[MR]) {
+  void chunk(int64_t k, __m512i& q, __m512& s) const {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    q = _mm512_loadu_si512(w->q.data() + k);
+    s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(w->s16.data() + k / 16)));
+  }
+#endif
+};
+
+#if QG_VNNI
+// StoredRow decodes the stored blocks straight into registers (decode batches: no unpacked copy of the row). It
+// produces exactly the codes, scales and offsets unpack_block does, so both give the same bits.
+template <int64_t t>
+struct StoredRow {
+  const uint8_t* row;
+  float* o;  // per-16 offsets, written chunk by chunk
+  float sc[8], mn[8];  // the current K-quant super-block's sub-block scales and mins
+
+  const float* o16() const { return o; }
+
+  void chunk(int64_t k, __m512i& q, __m512& s) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if constexpr (t == kQ4_K) {
+      const uint8_t* b = row + k / 256 * 144;
+      const int c = static_cast<int>(k % 256) / 64;
+      if (c == 0)
+        for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, f16_at(b), f16_at(b + 2), &sc[j], &mn[j]);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+      s = _mm512_insertf32x8(_mm512_set1_ps(sc[2 * c]), _mm256_set1_ps(sc[2 * c + 1]), 1);
+      o[k / 16] = o[k / 16 + 1] = mn[2 * c], o[k / 16 + 2] = o[k / 16 + 3] = mn[2 * c + 1];
+    } else {
+      constexpr int64_t bytes = type_info(t).bytes;
+      const uint8_t* b0 = row + k / 32 * bytes;
+      const uint8_t* b1 = b0 + bytes;
+      const float d0 = f16_at(b0), d1 = f16_at(b1);
+      float o0, o1;
+      if constexpr (t == kQ8_0) {
+        const __m512i z = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
+        q = _mm512_xor_si512(z, _mm512_set1_epi8(static_cast<char>(0x80)));
+        o0 = -128.f * d0, o1 = -128.f * d1;
+      } else {  // Q4_0, Q4_1: [low nibbles 0, high 0, low 1, high 1] in 128-bit lanes
+        constexpr int qs = t == kQ4_0 ? 2 : 4;
+        const __m256i v = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b1 + qs),
+                                              reinterpret_cast<const __m128i*>(b0 + qs));
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+        q = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+        o0 = t == kQ4_0 ? -8.f * d0 : f16_at(b0 + 2), o1 = t == kQ4_0 ? -8.f * d1 : f16_at(b1 + 2);
+      }
+      s = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+      o[k / 16] = o[k / 16 + 1] = o0, o[k / 16 + 2] = o[k / 16 + 3] = o1;
+    }
+  }
+};
+
+template <int NR, int MR, class Src>
+void dot_tile(Src* w, const ActRows& acts, int64_t m0, float (*res)[MR]) {
   const int64_t k64 = acts.k64;
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < MR; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k64; k += 64) {
     __m512i q[NR];
     __m512 s[NR];
-    for (int r = 0; r < NR; ++r) {
-      q[r] = _mm512_loadu_si512(w[r]->q.data() + k);
-      s[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(w[r]->s16.data() + k / 16)));
-    }
+    for (int r = 0; r < NR; ++r) w[r].chunk(k, q[r], s[r]);
     for (int j = 0; j < MR; ++j) {
       const int64_t row = (m0 + j) * k64;
       const __m512i a = _mm512_loadu_si512(acts.a.data() + row + k);
@@ -321,32 +380,32 @@ void dot_tile(const WeightRow* const* w, const ActRows& acts, int64_t m0, float 
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < MR; ++j)
       res[r][j] = _mm512_reduce_add_ps(acc[r][j]) +
-                  offset_term(w[r]->o16.data(), acts.ao16.data() + (m0 + j) * k64 / 16, k64 / 16);
+                  offset_term(w[r].o16(), acts.ao16.data() + (m0 + j) * k64 / 16, k64 / 16);
 }
 #else
-template <int NR, int MR>
-void dot_tile(const WeightRow* const* w, const ActRows& acts, int64_t m0, float (*res)[MR]) {
+template <int NR, int MR, class Src>
+void dot_tile(Src* src, const ActRows& acts, int64_t m0, float (*res)[MR]) {
   const int64_t k64 = acts.k64;
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < MR; ++j) {
+      const WeightRow* w = src[r].w;
       const int64_t row = (m0 + j) * k64;
       float acc[16] = {};
       for (int64_t k = 0; k < k64; k += 64)
         for (int l = 0; l < 16; ++l) {
           int32_t dot = 0;
-          for (int i = 0; i < 4; ++i) dot += int32_t(w[r]->q[k + 4 * l + i]) * acts.a[row + k + 4 * l + i];
-          acc[l] += float(dot) * (w[r]->s16[k / 16 + l / 4] * acts.al[(row + k) / 4 + l]);
+          for (int i = 0; i < 4; ++i) dot += int32_t(w->q[k + 4 * l + i]) * acts.a[row + k + 4 * l + i];
+          acc[l] += float(dot) * (w->s16[k / 16 + l / 4] * acts.al[(row + k) / 4 + l]);
         }
       float sum = 0.f;
       for (float v : acc) sum += v;
-      res[r][j] = sum + offset_term(w[r]->o16.data(), acts.ao16.data() + row / 16, k64 / 16);
+      res[r][j] = sum + offset_term(w->o16.data(), acts.ao16.data() + row / 16, k64 / 16);
     }
 }
 #endif
 
-template <int NR>
-void dot_rows(const WeightRow* const* w, const ActRows& acts, int64_t M, int64_t n, void* out, bool out_f32,
-              int64_t ldo) {
+template <int NR, class Src>
+void dot_rows(Src* w, const ActRows& acts, int64_t M, int64_t n, void* out, bool out_f32, int64_t ldo) {
   constexpr int MR = 4;
   int64_t m = 0;
   for (; m + MR <= M; m += MR) {
@@ -360,6 +419,54 @@ void dot_rows(const WeightRow* const* w, const ActRows& acts, int64_t M, int64_t
     dot_tile<NR, 1>(w, acts, m, res);
     for (int r = 0; r < NR; ++r) store_out(out, out_f32, m * ldo + n + r, res[r][0]);
   }
+}
+
+constexpr int kNR = 2;  // weight rows per tile
+
+// Rows n0..n1 through an unpacked copy of each weight row (reused by every activation row).
+void rows_buffered(int64_t t, const uint8_t* w, int64_t row_bytes, const ActRows& acts, int64_t M, int64_t K,
+                   int64_t n0, int64_t n1, void* out, bool out_f32, int64_t ldo) {
+  thread_local WeightRow buf[kNR];
+  for (auto& b : buf)
+    if (static_cast<int64_t>(b.q.size()) != acts.k64) b.resize(acts.k64);
+  BufferedRow rows[kNR] = {{&buf[0]}, {&buf[1]}};
+  int64_t n = n0;
+  for (; n + kNR <= n1; n += kNR) {
+    for (int r = 0; r < kNR; ++r) unpack_row(t, w + (n + r) * row_bytes, K, buf[r]);
+    dot_rows<kNR>(rows, acts, M, n, out, out_f32, ldo);
+  }
+  for (; n < n1; ++n) {
+    unpack_row(t, w + n * row_bytes, K, buf[0]);
+    dot_rows<1>(rows, acts, M, n, out, out_f32, ldo);
+  }
+}
+
+#if QG_VNNI
+template <int64_t t>
+void rows_stored(const uint8_t* w, int64_t row_bytes, const ActRows& acts, int64_t M, int64_t K, int64_t n0,
+                 int64_t n1, void* out, bool out_f32, int64_t ldo) {
+  thread_local std::vector<float> offsets;
+  offsets.resize(kNR * K / 16);
+  StoredRow<t> rows[kNR];
+  for (int r = 0; r < kNR; ++r) rows[r].o = offsets.data() + r * K / 16;
+  int64_t n = n0;
+  for (; n + kNR <= n1; n += kNR) {
+    for (int r = 0; r < kNR; ++r) rows[r].row = w + (n + r) * row_bytes;
+    dot_rows<kNR>(rows, acts, M, n, out, out_f32, ldo);
+  }
+  for (; n < n1; ++n) {
+    rows[0].row = w + n * row_bytes;
+    dot_rows<1>(rows, acts, M, n, out, out_f32, ldo);
+  }
+}
+#endif
+
+// Up to this many activation rows, types with a StoredRow read their blocks directly.
+constexpr int64_t kStoredRowsMaxM = 4;
+
+bool reads_stored(int64_t t, int64_t M, int64_t K) {
+  return QG_VNNI && M <= kStoredRowsMaxM && K % 64 == 0 &&
+         (t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K);
 }
 
 }  // namespace
@@ -380,23 +487,21 @@ void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, 
   if (M == 0 || N == 0) return;
   ActRows acts;
   quantize_rows(x, x_f32, M, K, acts);
-  constexpr int NR = 2;
-  // Grain: ~32 KiB of stored weights per task (decode); at least NR rows.
-  const int64_t grain = std::max<int64_t>(NR, (32768 / std::max<int64_t>(row_bytes, 1)) / NR * NR);
+  // Grain: ~32 KiB of stored weights per task (decode); at least a tile of rows.
+  const int64_t grain = std::max<int64_t>(kNR, (32768 / std::max<int64_t>(row_bytes, 1)) / kNR * kNR);
+  const bool stored = reads_stored(qtype, M, K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    thread_local WeightRow buf[NR];
-    for (auto& b : buf)
-      if (static_cast<int64_t>(b.q.size()) != acts.k64) b.resize(acts.k64);
-    const WeightRow* rows[NR] = {&buf[0], &buf[1]};
-    int64_t n = n0;
-    for (; n + NR <= n1; n += NR) {
-      for (int r = 0; r < NR; ++r) unpack_row(qtype, w + (n + r) * row_bytes, K, buf[r]);
-      dot_rows<NR>(rows, acts, M, n, out, out_f32, ldo);
+#if QG_VNNI
+    if (stored) {
+      switch (qtype) {
+        case kQ4_0: return rows_stored<kQ4_0>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
+        case kQ4_1: return rows_stored<kQ4_1>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
+        case kQ8_0: return rows_stored<kQ8_0>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
+        case kQ4_K: return rows_stored<kQ4_K>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
+      }
     }
-    for (; n < n1; ++n) {
-      unpack_row(qtype, w + n * row_bytes, K, buf[0]);
-      dot_rows<1>(rows, acts, M, n, out, out_f32, ldo);
-    }
+#endif
+    rows_buffered(qtype, w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
   });
 }
 
