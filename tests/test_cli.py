@@ -46,3 +46,10 @@ def test_chat_keeps_the_conversation(tmp_path):
     assert seen[1][2]["content"] in out.getvalue()  # the first reply was streamed to the terminal
     stats = llm.kv_cache_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_bench_blocks_quick_runs_through_the_cli(capsys):
+    # README documents `pagedllm bench <name> --quick` for every bench, blocks included
+    assert main(["bench", "blocks", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1,000 blocks | 10,000 blocks |" in out and "| decode step (per call) |" in out

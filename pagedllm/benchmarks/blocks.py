@@ -32,6 +32,7 @@ from pagedllm.core.request import Request
 PROMPT_BLOCKS = 16  # 256-token prompts with block_size 16
 # CPU time of this process by default: on a shared machine, wall time mostly measures the neighbours.
 _clock: Callable[[], float] = time.process_time
+QUICK_SIZES, QUICK_OPS = "1000,10000", 4000
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="cpu: process CPU time (robust on a busy machine); wall: perf_counter")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run: pools of {QUICK_SIZES} blocks, {QUICK_OPS} operations, one repetition")
 
 
 def _best(fn: Callable[[], tuple[float, int]], repeat: int) -> float:
@@ -206,6 +209,8 @@ def _fill_with_cached_blocks(m: KVCacheManager, block_size: int, rng: random.Ran
 def run(args: argparse.Namespace) -> dict[int, dict[str, float]]:
     global _clock
     _clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if getattr(args, "quick", False):
+        args.sizes, args.ops, args.repeat = QUICK_SIZES, QUICK_OPS, 1
     sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
     rng = random.Random(args.seed)
     results: dict[int, dict[str, float]] = {}

@@ -12,6 +12,7 @@ import torch
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.model.config import check_token_ids
@@ -23,9 +24,6 @@ from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass(eq=False)
 class Sequence:
@@ -71,7 +69,7 @@ class RequestState:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        dtype = resolve_dtype(args.dtype)
         loaded = load_model(args.model, dtype)
         self.args = args
         self.model_config = loaded.config
@@ -82,20 +80,20 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
 
         num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, args.block_size, _DTYPES[dtype], parse_bytes(args.kv_cache_memory))
+            self.model_config, args.block_size, dtype, parse_bytes(args.kv_cache_memory))
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_layout=args.kv_layout, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  _DTYPES[dtype], args.attention_backend)
+                                  dtype, args.attention_backend, args.batch_invariant)
         self.sampler = Sampler(args.seed)
         self.requests: dict[str, RequestState] = {}
         self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence
         self._state_of: dict[int, RequestState] = {}  # id(Request) -> RequestState
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
-                    time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
+                    time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."), num_blocks, args.block_size,
                     num_blocks * args.block_size)
 
     @classmethod

@@ -74,7 +74,7 @@ class QuantTensor:
 
 
 def kernel_op(name: str):
-    from pagedllm.attention.cpu_kernel import kernel_op as op
+    from pagedllm.kernels import kernel_op as op
 
     found = op(name)
     if found is None:
@@ -84,7 +84,7 @@ def kernel_op(name: str):
 
 
 def kernel_available() -> bool:
-    from pagedllm.attention.cpu_kernel import kernel_op as op
+    from pagedllm.kernels import kernel_op as op
 
     return op("quant_gemm") is not None
 

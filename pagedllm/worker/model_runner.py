@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention import copy_blocks, get_backend
 from pagedllm.attention.metadata import build_attention_metadata
 from pagedllm.core.scheduler import ScheduledRequest
@@ -13,15 +14,17 @@ from pagedllm.model.kv_cache import allocate_kv_caches
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto") -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
         self.kv_caches = allocate_kv_caches(config, block_size, dtype, num_blocks=num_blocks)
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
-        # Logits land in one reused buffer: a fresh [256, 49152] float32 tensor every step is 50 MB of new pages,
-        # ~40 ms of page faults per step on this VM (glibc maps allocations over 32 MB afresh each time).
+        # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
+        # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
+        # (the 256-running decode step of `pagedllm bench engine` measures it).
         self._logits = torch.empty(0)
         self.vocab_size = config.vocab_size
 
@@ -30,6 +33,7 @@ class ModelRunner:
                 block_copies: list[tuple[int, int]], sample_rows: list[int]) -> torch.Tensor:
         """Run one step; return float32 logits for the last new token of each request in sample_rows. The logits
         live in a buffer the next call overwrites."""
+        kernels.set_batch_invariant(self.batch_invariant)  # per step: engines in one process may differ
         if block_copies:
             copy_blocks(self.kv_caches, block_copies)
         num_computed = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
