@@ -37,6 +37,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     kv_layout: str = "paged"
     attention_backend: str = "auto"
+    # how weights run: "auto" GGUF block formats as stored, "none" dequantized to dtype, "int8" HF weights in int8
+    quantization: str = "auto"
     # every kernel computes a row the same way whatever the batch: tokens do not depend on batching, chunking,
     # the prefix cache or preemption (README: what turning it off trades)
     batch_invariant: bool = False
@@ -53,6 +55,8 @@ class EngineArgs:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         parse_bytes(self.kv_cache_memory)
+        if self.quantization not in ("auto", "none", "int8"):
+            raise ValueError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +74,8 @@ class EngineArgs:
         g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"])
         g.add_argument("--attention-backend", default=d.attention_backend)
+        g.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int8"],
+                       help="auto: GGUF weights run as stored; none: dequantize; int8: HF weights in int8 blocks")
         g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
                        help="outputs independent of batching, chunking and the prefix cache (default: on)")
         g.add_argument("--seed", type=int, default=d.seed)

@@ -70,7 +70,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         dtype = resolve_dtype(args.dtype)
-        loaded = load_model(args.model, dtype)
+        loaded = load_model(args.model, dtype, quantization=args.quantization)
         self.args = args
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

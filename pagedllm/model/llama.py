@@ -17,6 +17,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding, apply_rope, bf16_kernel_op, frozen_param, linear
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP
+from pagedllm.quantization.tensor import QuantTensor
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -114,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
-        h = F.embedding(input_ids, self.embed)
+        h = (self.embed.embedding(input_ids, self.dtype) if isinstance(self.embed, QuantTensor)
+             else F.embedding(input_ids, self.embed))
         cos, sin = self.rotary(positions, self.dtype)
         fused = self._fused_layer_op(h, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -139,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, H] -> float32 logits [N, V], into `out` when given."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
+        elif isinstance(self.embed, QuantTensor):  # tied, in stored blocks: fp32 logits straight from the kernel
+            return self.embed.matmul(hidden, out if out is not None else
+                                     torch.empty(hidden.shape[0], self.embed.shape[0], dtype=torch.float32))
         elif out is not None and hidden.dtype == torch.float32 and not batch_invariant():
             return torch.mm(hidden, self.embed.t(), out=out)
         else:

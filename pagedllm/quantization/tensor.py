@@ -55,6 +55,21 @@ class QuantTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def numel(self) -> int:
+        return self.data.shape[0] * self.cols
+
+    def replace_parameter(self, owner: torch.nn.Module, leaf: str, name: str) -> None:
+        """Take the place of the dense Parameter owner.<leaf> (an embedding table), after checking its shape."""
+        want = tuple(getattr(owner, leaf).shape)
+        if self.shape != want:
+            raise ValueError(f"weight {name!r}: shape {self.shape} does not match the config ({want})")
+        delattr(owner, leaf)
+        setattr(owner, leaf, self)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows at ids, dequantized to dtype (F.embedding for a table kept in blocks)."""
+        return self.rows(ids).dequantize().to(dtype)
+
     def rows(self, index: torch.Tensor) -> QuantTensor:
         """The rows at `index` (a copy): for llama.cpp's Q/K row permutation and for embedding lookups."""
         return QuantTensor(self.data[index], self.qtype, self.cols)
