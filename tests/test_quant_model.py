@@ -101,3 +101,21 @@ def test_int8_on_hf_checkpoint(tmp_path):
 def test_unknown_quantization_is_rejected(gguf_dir):
     with pytest.raises(ValueError, match="quantization"):
         _load(_file(gguf_dir, "Q8_0"), "fp4")
+
+
+def test_fused_layer_matches_torch_layers(gguf_dir):
+    """The fused C++ decoder layer on quantized segments (bf16, C++ attention) against the same model's torch
+    layers: same kernels for the linears, so close to bf16 rounding."""
+    from pagedllm.model.layers import bf16_kernel_op
+
+    if bf16_kernel_op("decoder_layer_quant") is None:
+        pytest.skip("no avx512_bf16 fused layer on this CPU")
+    path = _file(gguf_dir, "Q4_K_M")
+    m = load_model(path, "bfloat16", attention_backend="cpu", load_tokenizer=False, quantization="auto")
+    assert m.model.layers[0].fused_op_name() == "decoder_layer_quant"
+    tokens = list(range(11, 40))
+    fused = _prefill_logits(m, tokens, torch.bfloat16)
+    m.model.fused_layers = False
+    plain = _prefill_logits(m, tokens, torch.bfloat16)
+    assert float((fused - plain).abs().max() / plain.abs().max()) < 0.02
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9

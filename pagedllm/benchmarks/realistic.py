@@ -1,4 +1,4 @@
-"""Realistic sizes: pagedllm (weights as stored, and dequantized to bf16) vs llama.cpp on the same GGUF file.
+"""Realistic sizes: pagedllm (weights as stored, and dequantized) vs llama.cpp on the same GGUF file.
 
 `pagedllm bench realistic --model F.gguf` or `--shape tinyllama-1.1b --type Q4_0` (the file is written once by
 `bench make-model` into the cache). Every system runs in its own processes (peak RSS is per process): a
@@ -20,7 +20,7 @@ import time
 
 from pagedllm.benchmarks import common
 
-SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-bf16": {"quantization": "none"}, "llama.cpp": {}}
+SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"}, "llama.cpp": {}}
 CONTEXT = 2048  # tokens of KV cache for the single-stream process (llama.cpp's n_ctx, pagedllm's blocks)
 
 
@@ -38,12 +38,12 @@ def _workloads(model: str, quick: bool) -> dict:
 
 # ---- the systems, behind one small interface --------------------------------------------------------------
 class _Pagedllm:
-    def __init__(self, model: str, quantization: str, kv_tokens: int | None, threads: int):
+    def __init__(self, model: str, quantization: str, kv_tokens: int | None, dtype: str):
         from pagedllm import LLM
 
-        kw = {"num_kv_blocks": kv_tokens // 16, "block_size": 16} if kv_tokens else {}
+        kw = {"num_kv_blocks": kv_tokens // 16, "block_size": 16} if kv_tokens else {"kv_cache_memory": "1GiB"}
         t0 = time.perf_counter()
-        self.llm = LLM(model, dtype="bfloat16", quantization=quantization, **kw)
+        self.llm = LLM(model, dtype=dtype, quantization=quantization, **kw)
         self.load_s = time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
@@ -76,10 +76,10 @@ class _LlamaCpp:
         return total
 
 
-def _open(system: str, model: str, kv_tokens: int | None, threads: int):
+def _open(system: str, model: str, kv_tokens: int | None, threads: int, dtype: str):
     if system == "llama.cpp":
         return _LlamaCpp(model, kv_tokens, threads)
-    return _Pagedllm(model, SYSTEMS[system]["quantization"], kv_tokens, threads)
+    return _Pagedllm(model, SYSTEMS[system]["quantization"], kv_tokens, dtype)
 
 
 def _best(f, repeats: int = 2) -> float:
@@ -91,8 +91,8 @@ def _best(f, repeats: int = 2) -> float:
     return min(times)
 
 
-def run_single(system: str, model: str, wl: dict, threads: int) -> dict:
-    m = _open(system, model, CONTEXT, threads)
+def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
+    m = _open(system, model, CONTEXT, threads, dtype)
     p, d = wl["decode_prompt"], wl["decode_tokens"]
     m.generate([p], [2])  # warm-up (kernel load, allocator)
     t_first = _best(lambda: m.generate([p], [1]))
@@ -103,11 +103,11 @@ def run_single(system: str, model: str, wl: dict, threads: int) -> dict:
             "prefill_tok_s": len(prefill[0]) / t_prefill, "peak_rss_mb": common.peak_rss_mb()}
 
 
-def run_offline(system: str, model: str, wl: dict, threads: int) -> dict:
+def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
     off = common.Workload.from_json(wl["offline"])
     if system == "llama.cpp":
         off = off.head(wl["llama_offline_requests"])
-    m = _open(system, model, None, threads)
+    m = _open(system, model, None, threads, dtype)
     m.generate([off.prompts[0][:16]], [2])  # warm-up
     t0 = time.perf_counter()
     n = m.generate(off.prompts, off.output_lens)
@@ -117,11 +117,11 @@ def run_offline(system: str, model: str, wl: dict, threads: int) -> dict:
 
 
 # ---- driver ------------------------------------------------------------------------------------------
-def _subprocess(phase: str, system: str, model: str, wl_path: str, threads: int) -> dict:
+def _subprocess(phase: str, system: str, model: str, wl_path: str, threads: int, dtype: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, "-m", "pagedllm.benchmarks.realistic", "--worker", phase, "--system", system,
-           "--model", model, "--workload", wl_path, "--out", out, "--threads", str(threads)]
+           "--model", model, "--workload", wl_path, "--out", out, "--threads", str(threads), "--dtype", dtype]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     with open(out, encoding="utf-8") as f:
         res = json.load(f)
@@ -144,6 +144,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--phases", default="single,offline")
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
+    p.add_argument("--dtype", default=default_dtype(), choices=["float32", "bfloat16"],
+                   help="pagedllm's activations (default: bfloat16 where the CPU has avx512_bf16, else float32)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and requests (checks the command runs)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--system", default=None, help=argparse.SUPPRESS)
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.workload, encoding="utf-8") as f:
             wl = json.load(f)
         fn = run_single if args.worker == "single" else run_offline
-        res = fn(args.system, args.model, wl, args.threads)
+        res = fn(args.system, args.model, wl, args.threads, args.dtype)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f)
         return res
@@ -174,11 +176,11 @@ def run(args: argparse.Namespace) -> dict:
     for system in systems:
         row = {"system": system}
         for phase in args.phases.split(","):
-            row.update(_subprocess(phase, system, model, wl_path, args.threads))
+            row.update(_subprocess(phase, system, model, wl_path, args.threads, args.dtype))
         rows.append(row)
         print(json.dumps(row), flush=True)
     ratios = _ratios(rows)
-    title = f"realistic: {os.path.basename(model)}, {args.threads} threads" + (" (quick)" if args.quick else "")
+    title = f"realistic: {os.path.basename(model)}, {args.threads} threads, pagedllm {args.dtype}" + (" (quick)" if args.quick else "")
     print(common.table(rows, title=title))
     print(common.table(ratios, title="ratios (same run)"))
     payload = {"model": model, "rows": rows, "ratios": ratios, "env": common.environment(args.threads),
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
 def _ratios(rows: list[dict]) -> list[dict]:
     by = {r["system"]: r for r in rows}
     out = []
-    for base in ("llama.cpp", "pagedllm-bf16"):
+    for base in ("llama.cpp", "pagedllm-dequant"):
         if "pagedllm" not in by or base not in by:
             continue
         ours, ref = by["pagedllm"], by[base]
@@ -198,6 +200,13 @@ def _ratios(rows: list[dict]) -> list[dict]:
                     ("decode_tok_s", "prefill_tok_s", "offline_out_tok_s", "peak_rss_mb", "load_s")
                     if k in ours and k in ref and ref[k]}})
     return out
+
+
+def default_dtype() -> str:
+    """bf16 activations only where the CPU computes in bf16 (avx512_bf16); emulated bf16 is slower than fp32."""
+    from pagedllm.kernels.build import cpu_flags
+
+    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
 
 
 def _has_llama_cpp() -> bool:

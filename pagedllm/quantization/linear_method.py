@@ -20,7 +20,7 @@ Segment = QuantTensor | torch.Tensor
 class QuantizedLinearMethod(LinearMethod):
     """GGUF blocks as stored; with quantize_floats, float shards become Q8_0 at load (the int8 mode)."""
 
-    runs_fused_layer = False  # the fused decoder-layer op takes this method's segments through its own entry
+    runs_fused_layer = True  # through decoder_layer_quant, which takes fused_segments()
 
     def __init__(self, quantize_floats: bool = False):
         self.quantize_floats = quantize_floats
@@ -44,6 +44,12 @@ class QuantizedLinearMethod(LinearMethod):
             dense = torch.empty(want, dtype=layer.compute_dtype)
             load_dense(dense, tensor, name)
             layer.segments[shard] = dense
+
+    def fused_segments(self, layer: Linear) -> tuple[list[torch.Tensor], list[int]]:
+        """The fused decoder-layer op's view of the weight: segment tensors and their ggml types (0: dense)."""
+        segs = layer.segments
+        return ([s.data if isinstance(s, QuantTensor) else s for s in segs],
+                [s.qtype if isinstance(s, QuantTensor) else 0 for s in segs])
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(layer.segments) == 1 and isinstance(layer.segments[0], QuantTensor):
