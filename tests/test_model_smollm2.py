@@ -41,7 +41,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(cache_dir):
-    return load_model(None, "float32", attention_backend="reference")
+    return load_model(None, "float32", attention_backend="reference", quantization="none")  # the transformers-exact path
 
 
 @pytest.fixture(scope="module")
