@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -17,7 +17,14 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from pagedllm.entrypoints.openai.serving import Call, LogprobFormatter, OpenAIServing, Prompt, usage_of
+from pagedllm.entrypoints.openai.serving import (
+    Call,
+    LogprobFormatter,
+    OpenAIServing,
+    Prompt,
+    prompt_logprobs_json,
+    usage_of,
+)
 from pagedllm.entrypoints.openai.streams import ChoiceDelta
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -40,9 +47,9 @@ class OpenAIServingChat(OpenAIServing):
     def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
         try:
             messages = [m.to_template_dict() for m in req.messages]
-            return [self.engine.apply_chat_template(messages)]
+            return [self.engine.apply_chat_template(messages, **req.template_options(self.default_chat_template))]
         except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
+            raise bad_request(e, self.request_params) from e
         except Exception as e:  # jinja errors of the template (roles must alternate, ...)
             raise OpenAIError(400, f"messages: chat template failed: {e}", param="messages",
                               code="invalid_value") from e
@@ -56,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
         return ChatCompletionResponse(id=call.request_id, created=call.created, model=call.model, choices=choices,
-                                      usage=usage_of(finals))
+                                      usage=usage_of(finals), prompt_logprobs=prompt_logprobs_json(final))
 
     def stream_start(self, call: Call) -> Iterable[ChatCompletionStreamResponse]:
         for i in range(call.params.n):
