@@ -5,6 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (and the server's bound)
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
 
 @dataclass
 class SamplingParams:
@@ -52,17 +59,21 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in _FLOATS:  # NaN passes every `<` check below, so finiteness comes first
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+                raise bad(name, "must be a finite number")
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be 0 (disabled), -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
@@ -70,10 +81,8 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
-        if any(not s for s in self.stop):
-            raise bad("stop", "must not contain empty strings")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

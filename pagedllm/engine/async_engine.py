@@ -164,15 +164,17 @@ class AsyncEngine:
 
     # -- asyncio API ----------------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
-        """Submit a request; returns once the engine has accepted it (raises its ValueError otherwise)."""
+                          cache_salt: str | None = None, prompt_token_ids: list[int] | None = None
+                          ) -> RequestStream:
+        """Submit a request; returns once the engine has accepted it (raises its ValueError otherwise).
+        `prompt_token_ids`: the text prompt already tokenized, so the loop thread does not."""
         if not self.is_running:
             raise EngineDeadError("engine is not running") from self.dead_error
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id or uuid.uuid4().hex, loop, accepted=loop.create_future(),
                                on_abandon=self.abort)
         arrival = time.monotonic()
-        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival))
+        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival, prompt_token_ids))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -335,12 +337,13 @@ class AsyncEngine:
         t.last_token_time = now
 
     def _do_add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
-                cache_salt: str | None, arrival: float) -> None:
+                cache_salt: str | None, arrival: float, prompt_token_ids: list[int] | None = None) -> None:
         rid = stream.request_id
         try:
             if rid in self._tracked:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival)
+            tokenized = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
+            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival, **tokenized)
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
             return

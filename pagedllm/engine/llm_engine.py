@@ -87,12 +87,14 @@ class LLMEngine:
         return render_chat_template(self.tokenizer, messages, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """`prompt_token_ids`: the text prompt already tokenized (the server does it off the loop thread)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
         params.prepare(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
         max_tokens = self.scheduler.check_fits(len(ids), params.max_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -12,26 +13,38 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": [...]}
+_PROMPT_TYPES = "a str, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', or a list of those"
 
 
-def _unwrap(prompt: Prompt) -> str | list[int]:
-    if not isinstance(prompt, dict):
-        return prompt
-    keys = set(prompt) & {"prompt", "prompt_token_ids"}
-    if len(keys) != 1:
-        raise ValueError(f"prompt: a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids', "
-                         f"got keys {sorted(prompt)}")
-    return prompt[keys.pop()]
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _unwrap(prompt: Prompt, where: str = "prompt") -> str | list[int]:
+    if isinstance(prompt, dict):
+        keys = set(prompt) & {"prompt", "prompt_token_ids"}
+        if len(keys) != 1:
+            raise ValueError(f"{where}: a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids', "
+                             f"got keys {sorted(prompt)}")
+        prompt = prompt[keys.pop()]
+    if not isinstance(prompt, str) and not _is_token_ids(prompt):
+        raise TypeError(f"{where} must be a str or a list of token ids, got {type(prompt).__name__}")
+    return prompt if isinstance(prompt, str) else list(prompt)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """The prompts as a list; TypeError naming the prompt otherwise (not a bare `list(...)` failure)."""
     if isinstance(prompts, str | dict):
         return [_unwrap(prompts)]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be {_PROMPT_TYPES}, got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and _is_token_ids(prompts):
         return [prompts]  # a single prompt given as token ids
-    return [_unwrap(p) for p in prompts]
+    return [_unwrap(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
 
 class LLM:
@@ -50,12 +63,17 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
+        if not prompts:
+            logger.warning("LLM.generate got no prompts: nothing to do")  # as vLLM: an empty result, not an error
+            return []
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be a SamplingParams or a sequence of them")
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

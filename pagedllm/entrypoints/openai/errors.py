@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+import uuid
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
+logger = logging.getLogger(__name__)
+
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 422: "invalid_request_error", 503: "server_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 503: "server_error"}
 
 
 class OpenAIError(Exception):
@@ -26,12 +31,16 @@ class OpenAIError(Exception):
     def info(self) -> ErrorInfo:
         return ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info()).model_dump(), status_code=self.status)
+    def body(self) -> str:
+        # ASCII JSON: a message quoting client text with a lone surrogate still encodes
+        return json.dumps(ErrorResponse(error=self.info()).model_dump(), ensure_ascii=True)
+
+    def response(self) -> Response:
+        return Response(self.body(), status_code=self.status, media_type="application/json")
 
     def sse(self) -> str:
         """The error as one SSE event (a failure after the stream has started)."""
-        return f"data: {json.dumps(ErrorResponse(error=self.info()).model_dump())}\n\n"
+        return f"data: {self.body()}\n\n"
 
 
 _PARAM = re.compile(r"^([a-z_]+)\b")
@@ -43,3 +52,11 @@ def bad_request(err: Exception, known_params: set[str] | None = None) -> OpenAIE
     m = _PARAM.match(message)
     param = m.group(1) if m and (known_params is None or m.group(1) in known_params) else None
     return OpenAIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def internal_error(err: BaseException, what: str = "internal error") -> OpenAIError:
+    """A 500 that says nothing of the exception (its text may quote internals or user data): the details go
+    to the log under a reference the client can quote."""
+    ref = uuid.uuid4().hex[:12]
+    logger.error("%s [ref %s]: %s: %s", what, ref, type(err).__name__, err, exc_info=err)
+    return OpenAIError(500, f"The server had an error: {what} (reference {ref}).", code="internal_error")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,19 +15,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError, internal_error
 from pagedllm.entrypoints.openai.kv_page import add_kv_routes
+from pagedllm.entrypoints.openai.lifecycle import Server, ShutdownGate
+from pagedllm.entrypoints.openai.middleware import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    ApiKeyMiddleware,
+    RequestLimitsMiddleware,
+)
+from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
+from pagedllm.entrypoints.openai.protocols import http_protocol
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
@@ -40,28 +47,6 @@ API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
 PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engine's state
-
-
-class ApiKeyMiddleware:
-    """Every /v1 route (and POST /reset_prefix_cache) needs `Authorization: Bearer <key>` with one of the keys;
-    checked before the body is even parsed."""
-
-    def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
-        self.app = app
-        keys = [api_key] if isinstance(api_key, str) else api_key
-        self.expected = [f"Bearer {k}".encode() for k in keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path.startswith("/v1") or path in PROTECTED_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # compare with every key (no early exit) so that timing tells nothing about which one came close
-            if not any([hmac.compare_digest(given, k) for k in self.expected]):
-                err = OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                                  code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -79,7 +64,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None = None,
               served_model_name: str | list[str] | None = None, owns_engine: bool | None = None, *,
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
-              **engine_options: Any) -> FastAPI:
+              docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              request_body_timeout: float = DEFAULT_BODY_TIMEOUT, **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
     engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
     another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
@@ -92,9 +78,11 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [async_engine.model_name]
     name = names[0]
-    completion = OpenAIServingCompletion(async_engine, names)
-    chat = OpenAIServingChat(async_engine, names)
-    tokens = OpenAIServingTokens(async_engine, names)
+    gate = ShutdownGate()  # closed by lifecycle.Server at the graceful-shutdown deadline
+    preprocess = PromptPreprocessor(async_engine)
+    completion = OpenAIServingCompletion(async_engine, names, preprocess=preprocess, gate=gate)
+    chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
+    tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)
     chat.default_chat_template = tokens.default_chat_template = chat_template
 
     @contextlib.asynccontextmanager
@@ -105,13 +93,20 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         try:
             yield
         finally:
+            preprocess.shutdown()
             if owns_engine:
                 async_engine.shutdown()
 
-    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    if docs is None:  # /docs and /openapi.json are not behind the key: off when there is one
+        docs = not api_key
+    app = FastAPI(title="pagedllm", lifespan=lifespan, **({} if docs else
+                  {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.engine = async_engine
     app.state.served_model_name = name
-    if api_key:
+    app.state.shutdown_gate = gate
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_request_body_bytes,
+                       body_timeout=request_body_timeout)
+    if api_key:  # added after the limits, so it runs first: no body is read for a wrong key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if allowed_origins:
         # outermost, so that preflight requests (no Authorization header) are answered before the key check
@@ -132,9 +127,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
+    async def _internal(_: Request, exc: Exception) -> Response:
+        return internal_error(exc, "unhandled error").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -195,6 +189,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's own log level")
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    add_limit_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=True, threads=False)  # --threads comes with the next
     DataParallelArgs.add_cli_args(parser)
     return parser
@@ -238,20 +233,33 @@ def serve_main(args: argparse.Namespace) -> None:
     app = build_app(engine, api_key=api_keys or None, served_model_name=args.served_model_name, owns_engine=True,
                     allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
                     log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                    log_requests=args.enable_log_requests, log_prompts=args.log_prompts)
+                    log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
+                    max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown, **uvicorn_limits(args))
+    Server(config, app.state.shutdown_gate).run()
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn re-raises the captured signal after its graceful shutdown (exit status -15);
-            # the shutdown was clean, so exit 0 instead.
-            with super().capture_signals():
-                yield
-                getattr(self, "_captured_signals", []).clear()
 
-    Server(config).run()
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("limits on clients")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are parsed")
+    g.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a client may pause while sending a body (then 408)")
+    g.add_argument("--request-header-timeout", type=float, default=30.0,
+                   help="seconds a connection gets to send a complete request head (then it is closed)")
+    g.add_argument("--max-request-header-bytes", type=int, default=64 * 1024)
+    g.add_argument("--timeout-keep-alive", type=int, default=5, help="idle keep-alive connections close after this")
+    g.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections + requests at once before new ones get 503 (default: no limit)")
+    g.add_argument("--docs", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve /docs and /openapi.json (default: only when no API key is set)")
+
+
+def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
+    return {"http": http_protocol(args.request_header_timeout, args.max_request_header_bytes),
+            "h11_max_incomplete_event_size": args.max_request_header_bytes,
+            "timeout_keep_alive": args.timeout_keep_alive, "limit_concurrency": args.limit_concurrency}
 
 
 def main(argv: list[str] | None = None) -> Any:

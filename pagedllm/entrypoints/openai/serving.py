@@ -16,9 +16,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, internal_error
+from pagedllm.entrypoints.openai.lifecycle import ShutdownGate
+from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagedllm.entrypoints.openai.streams import (
+    SSE_DONE,
     ChoiceDelta,
     ClientDisconnected,
     DeltaTracker,
@@ -27,12 +30,12 @@ from pagedllm.entrypoints.openai.streams import (
     merge_streams,
     run_until_disconnect,
 )
+from pagedllm.entrypoints.openai.validation import check_unicode
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 
 
@@ -49,10 +52,10 @@ def engine_error(err: BaseException) -> OpenAIError:
     if isinstance(err, OpenAIError):
         return err
     if isinstance(err, EngineDeadError):
-        return OpenAIError(503, f"engine unavailable: {err}", code="engine_unavailable")
-    if isinstance(err, RequestFailedError):
-        return OpenAIError(500, f"request failed: {err}", code="internal_error")
-    return OpenAIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+        return OpenAIError(503, "The engine is not running.", code="engine_unavailable")
+    # the details are internal (exception text, tracebacks): they go to the log, the client gets a reference
+    return internal_error(err, "the engine failed while processing this request"
+                          if isinstance(err, RequestFailedError) else "internal error")
 
 
 def usage_of(finals: list[RequestOutput]) -> UsageInfo:
@@ -142,8 +145,11 @@ class OpenAIServing:
     request_params: ClassVar[set[str]]  # the endpoint's field names (errors name them)
     stream_model: ClassVar[type[BaseModel]]  # the endpoint's chunk: id, created, model, choices, usage
 
-    def __init__(self, engine: AsyncEngine, served_model_names: str | list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_names: str | list[str], *,
+                 preprocess: PromptPreprocessor | None = None, gate: ShutdownGate | None = None) -> None:
         self.engine = engine
+        self.preprocess = preprocess or PromptPreprocessor(engine)
+        self.gate = gate  # closed at the graceful-shutdown deadline: running responses end themselves
         names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         self.served_model_names = names or [engine.model_name]
         self.served_model_name = self.served_model_names[0]
@@ -158,7 +164,7 @@ class OpenAIServing:
             logger.warning("ignoring unknown request fields of %s: %s", type(req).__name__, ", ".join(new))
 
     # -- hooks ----------------------------------------------------------------------------------------------
-    def prompts(self, req: Any) -> list[Prompt]:
+    async def prompts(self, req: Any) -> list[Prompt]:
         raise NotImplementedError
 
     def response(self, call: Call, finals: list[RequestOutput]) -> BaseModel:
@@ -180,21 +186,22 @@ class OpenAIServing:
 
     # -- the request's life ---------------------------------------------------------------------------------
     async def create(self, req: Any, raw: Request) -> Response:
+        check_unicode(req)
         self.warn_unknown_fields(req)
         self.check_model(req.model)
         try:
             params = req.to_sampling_params(getattr(self.engine, "generation_defaults", None))
         except ValueError as e:
             raise bad_request(e, self.request_params) from e
-        prompts = self.prompts(req)
+        prompts = await self.prompts(req)
         call = Call(req, params, req.request_id or random_id(self.id_prefix), req.model or self.served_model_name,
                     prompts, LogprobFormatter(self.engine.tokenizer, params.logprobs or 0))
         streams = await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params)
         if req.stream:
-            return StreamingResponse(guarded(self._stream(call, streams), lambda e: engine_error(e).sse()),
+            return StreamingResponse(guarded(self._stream(call, streams), lambda e: engine_error(e).sse(), self.gate),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams))
+            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams), self.gate)
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as e:
@@ -234,12 +241,15 @@ class OpenAIServing:
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
                      cache_salt: str | None, known_params: set[str]) -> list[RequestStream]:
-        """Add every prompt; on any rejection abort those already added and raise the OpenAI error."""
+        """Tokenize every prompt (off the loops), then add them; on any rejection abort those already added
+        and raise the OpenAI error."""
         streams: list[RequestStream] = []
+        param = "messages" if "messages" in known_params else "prompt"  # chat: the templated conversation
         try:
-            for i, p in enumerate(prompts):
+            tokenized = [await self.preprocess.tokenize(p, param) for p in prompts]
+            for i, (p, kw) in enumerate(zip(prompts, tokenized, strict=True)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(p, params, rid, cache_salt))
+                streams.append(await self.engine.add_request(p, params, rid, cache_salt, **kw))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)

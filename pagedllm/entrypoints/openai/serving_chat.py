@@ -44,10 +44,10 @@ class OpenAIServingChat(OpenAIServing):
     stream_model = ChatCompletionStreamResponse
     request_params = set(ChatCompletionRequest.model_fields)
 
-    def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
+    async def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
         try:
             messages = [m.to_template_dict() for m in req.messages]
-            return [self.engine.apply_chat_template(messages, **req.template_options(self.default_chat_template))]
+            return [await self.preprocess.render_chat(messages, **req.template_options(self.default_chat_template))]
         except ValueError as e:
             raise bad_request(e, self.request_params) from e
         except Exception as e:  # jinja errors of the template (roles must alternate, ...)

@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
     stream_model = CompletionStreamResponse
     request_params = set(CompletionRequest.model_fields)
 
-    def prompts(self, req: CompletionRequest) -> list[Prompt]:
+    async def prompts(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt
         if isinstance(p, str):
             prompts: list[Prompt] = [p]

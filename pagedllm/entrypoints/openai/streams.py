@@ -11,10 +11,12 @@ from typing import TypeVar
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.entrypoints.openai.lifecycle import ShutdownGate
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -28,19 +30,24 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`; if the client goes away first, cancel it (which aborts its engine requests)."""
+async def run_until_disconnect(request: Request, work: Awaitable[T], gate: ShutdownGate | None = None) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its engine requests). If the
+    graceful-shutdown deadline comes first, cancel it too and raise the shutdown error (a 503, not a cut)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+    waits = {task, disconnect} if gate is None else {task, disconnect, gate.cut_task()}
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (task, watcher):
+        cut = gate is not None and gate.is_cut and not task.done() and not disconnect.done()
+        for t in (task, disconnect):  # (the gate's future is shared: never cancelled here)
             if not t.done():
                 t.cancel()
-        for t in (task, watcher):
+        for t in (task, disconnect):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+    if cut:
+        raise gate.error()  # type: ignore[union-attr]
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
@@ -135,14 +142,31 @@ class DeltaTracker:
         return ChoiceDelta(text[sent:end], start_tok, end_tok, c.finish_reason)
 
 
-async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], str]) -> AsyncIterator[str]:
-    """An SSE body that turns a failure after the headers into one error event, never a broken connection."""
+async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], str],
+                  gate: ShutdownGate | None = None) -> AsyncIterator[str]:
+    """An SSE body that ends cleanly whatever happens after the headers: a failure, or the graceful-shutdown
+    deadline, becomes one error event followed by [DONE], never a connection cut mid-body."""
+    nxt: asyncio.Future | None = None
     try:
-        async for chunk in gen:
+        while True:
+            nxt = asyncio.ensure_future(anext(gen))
+            if gate is not None:
+                await asyncio.wait({nxt, gate.cut_task()}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():  # the deadline came first (the finally below stops the body)
+                    yield gate.error().sse() + SSE_DONE
+                    return
+            try:
+                chunk = await nxt
+            except StopAsyncIteration:
+                return
             yield chunk
     except ClientDisconnected:
         return
     except Exception as e:
-        yield on_error(e)
+        yield on_error(e) + SSE_DONE
     finally:
-        await gen.aclose()  # type: ignore[attr-defined]
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+        await gen.aclose()  # type: ignore[attr-defined]  # aborts the body's engine requests
