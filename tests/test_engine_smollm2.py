@@ -13,7 +13,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbo
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", attention_backend="reference", num_kv_blocks=512)
+    return LLM(dtype="float32", attention_backend="reference", num_kv_blocks=512, quantization="none")
 
 
 @pytest.fixture(scope="module")

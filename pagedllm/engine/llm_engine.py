@@ -37,7 +37,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         dtype = resolve_dtype(args.dtype)
         self.model_path = resolve_model_path(args.model)
-        loaded = load_model(self.model_path, dtype)
+        loaded = load_model(self.model_path, dtype, quantization=args.quantization)
         self.args = args
         self.generation_defaults = generation_defaults(self.model_path, args.generation_config)
         self.model_config = loaded.config
