@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +61,8 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer in [0, 20]")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
