@@ -1,25 +1,33 @@
-"""What both endpoints share: model check, submission, disconnect watching, stream merging, deltas, logprobs."""
+"""What both endpoints share: model check, submission, the request's life (one response or an SSE stream), usage,
+logprobs. The endpoints say only what differs: their prompts, choices and chunks."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from pagedllm.entrypoints.openai.streams import (
+    ChoiceDelta,
+    ClientDisconnected,
+    DeltaTracker,
+    final_outputs,
+    guarded,
+    merge_streams,
+    run_until_disconnect,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
@@ -44,130 +52,12 @@ def engine_error(err: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`; if the client goes away first, cancel it (which aborts its engine requests)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        for t in (task, watcher):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-async def final_output(engine: AsyncEngine, stream: RequestStream) -> RequestOutput:
-    last = None
-    async with contextlib.aclosing(engine.outputs(stream)) as outs:
-        async for out in outs:
-            last = out
-    assert last is not None and last.finished
-    return last
-
-
-async def final_outputs(engine: AsyncEngine, streams: list[RequestStream]) -> list[RequestOutput]:
-    """All requests to the end; the first failure cancels (aborts) the others."""
-    if len(streams) == 1:
-        return [await final_output(engine, streams[0])]
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(final_output(engine, s)) for s in streams]
-    return [t.result() for t in tasks]
-
-
-async def merge_streams(engine: AsyncEngine,
-                        streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as (prompt index, output), in arrival order."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(engine.outputs(streams[0])) as outs:
-            async for out in outs:
-                yield 0, out
-        return
-    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async with contextlib.aclosing(engine.outputs(s)) as outs:
-                async for out in outs:
-                    q.put_nowait((i, out))
-        except Exception as e:
-            q.put_nowait((i, e))
-        finally:
-            q.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await q.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
 def usage_of(finals: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in finals)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-@dataclass
-class ChoiceDelta:
-    text: str
-    start_token: int  # new tokens are token_ids[start_token:end_token]
-    end_token: int
-    finish_reason: str | None
-
-
-class DeltaTracker:
-    """Turns cumulative CompletionOutputs into deltas. While a choice runs, the last (longest stop string - 1)
-    characters are held back: they might be the start of a stop string that the engine will cut off."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.sent_text: dict[int, int] = {}
-        self.sent_tokens: dict[int, int] = {}
-        self.done: set[int] = set()
-
-    def delta(self, key: int, c: CompletionOutput) -> ChoiceDelta | None:
-        if key in self.done:
-            return None
-        sent = self.sent_text.get(key, 0)
-        text = c.text
-        end = len(text) if c.finish_reason is not None else max(sent, len(text) - self.hold)
-        start_tok = self.sent_tokens.get(key, 0)
-        end_tok = len(c.token_ids)
-        if end <= sent and end_tok <= start_tok and c.finish_reason is None:
-            return None
-        self.sent_text[key] = max(sent, end)
-        self.sent_tokens[key] = end_tok
-        if c.finish_reason is not None:
-            self.done.add(key)
-        return ChoiceDelta(text[sent:end], start_tok, end_tok, c.finish_reason)
 
 
 class LogprobFormatter:
@@ -199,23 +89,112 @@ def now() -> int:
     return int(time.time())
 
 
-async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], str]) -> AsyncIterator[str]:
-    """An SSE body that turns a failure after the headers into one error event, never a broken connection."""
-    try:
-        async for chunk in gen:
-            yield chunk
-    except ClientDisconnected:
-        return
-    except Exception as e:
-        yield on_error(e)
-    finally:
-        await gen.aclose()  # type: ignore[attr-defined]
+Prompt = str | list[int]
+
+
+@dataclass
+class Call:
+    """One HTTP request being served, as the endpoint hooks see it."""
+
+    req: Any  # the endpoint's request model
+    params: SamplingParams
+    request_id: str
+    model: str
+    prompts: list[Prompt]
+    fmt: LogprobFormatter
+    created: int = field(default_factory=now)
+    text_offsets: dict[int, int] = field(default_factory=dict)  # characters sent per choice (completions)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.req.include_usage)
+
+    def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
+        return prompt_index * self.params.n + c.index
+
+    def chunk(self, resp: BaseModel) -> str:
+        """One SSE event; OpenAI sends only the delta fields that are set, and usage only when asked."""
+        d = resp.model_dump(mode="json")
+        for choice in d.get("choices", ()):
+            if isinstance(choice.get("delta"), dict):
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        if not self.include_usage:
+            d.pop("usage", None)
+        return sse(d)
 
 
 class OpenAIServing:
+    """create() runs one request of an endpoint; subclasses fill in the hooks below."""
+
+    id_prefix: ClassVar[str]
+    request_params: ClassVar[set[str]]  # the endpoint's field names (errors name them)
+    stream_model: ClassVar[type[BaseModel]]  # the endpoint's chunk: id, created, model, choices, usage
+
     def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def prompts(self, req: Any) -> list[Prompt]:
+        raise NotImplementedError
+
+    def response(self, call: Call, finals: list[RequestOutput]) -> BaseModel:
+        """The whole (non-streamed) response."""
+        raise NotImplementedError
+
+    def stream_start(self, call: Call) -> Iterable[BaseModel]:
+        """Chunks sent before any token (chat: the role; completions with echo: the prompts)."""
+        return ()
+
+    def stream_delta(self, call: Call, index: int, c: CompletionOutput, d: ChoiceDelta) -> Iterable[BaseModel]:
+        """Chunks for the new part `d` of choice `index`."""
+        raise NotImplementedError
+
+    def stream_chunk(self, call: Call, choice: Any = None, usage: UsageInfo | None = None) -> BaseModel:
+        """One chunk with one choice, or the closing usage chunk (no choice)."""
+        return self.stream_model(id=call.request_id, created=call.created, model=call.model,
+                                 choices=[choice] if choice is not None else [], usage=usage)
+
+    # -- the request's life ---------------------------------------------------------------------------------
+    async def create(self, req: Any, raw: Request) -> Response:
+        self.check_model(req.model)
+        try:
+            params = req.to_sampling_params()
+        except ValueError as e:
+            raise bad_request(e, self.request_params) from e
+        prompts = self.prompts(req)
+        call = Call(req, params, random_id(self.id_prefix), req.model or self.served_model_name, prompts,
+                    LogprobFormatter(self.engine.tokenizer, params.logprobs or 0))
+        streams = await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params)
+        if req.stream:
+            return StreamingResponse(guarded(self._stream(call, streams), lambda e: engine_error(e).sse()),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as e:
+            raise engine_error(e) from e
+        return JSONResponse(self.response(call, finals).model_dump(mode="json"))
+
+    async def _stream(self, call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
+        for resp in self.stream_start(call):
+            yield call.chunk(resp)
+        tracker = DeltaTracker(call.params)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge_streams(self.engine, streams):
+            if out.finished:
+                finals[i] = out
+            for c in out.outputs:
+                index = call.choice_index(i, c)
+                d = tracker.delta(index, c)
+                if d is not None:
+                    for resp in self.stream_delta(call, index, c, d):
+                        yield call.chunk(resp)
+        if call.include_usage:
+            usage = usage_of([finals[i] for i in sorted(finals)])
+            yield sse(self.stream_chunk(call, usage=usage).model_dump(mode="json"))
+        yield SSE_DONE
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, self.engine.model_name):

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import Iterable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from pagedllm.engine.async_engine import RequestStream
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -22,26 +17,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from pagedllm.entrypoints.openai.serving import (
-    SSE_DONE,
-    SSE_HEADERS,
-    ClientDisconnected,
-    DeltaTracker,
-    LogprobFormatter,
-    OpenAIServing,
-    engine_error,
-    final_outputs,
-    guarded,
-    merge_streams,
-    now,
-    random_id,
-    run_until_disconnect,
-    sse,
-    usage_of,
-)
-from pagedllm.outputs import CompletionOutput
-
-_PARAMS = set(ChatCompletionRequest.model_fields)
+from pagedllm.entrypoints.openai.serving import Call, LogprobFormatter, OpenAIServing, Prompt, usage_of
+from pagedllm.entrypoints.openai.streams import ChoiceDelta
+from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 def _logprobs(fmt: LogprobFormatter, c: CompletionOutput, start: int, end: int) -> ChatChoiceLogprobs:
@@ -55,82 +33,42 @@ def _logprobs(fmt: LogprobFormatter, c: CompletionOutput, start: int, end: int) 
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt(self, req: ChatCompletionRequest) -> str:
+    id_prefix = "chatcmpl"
+    stream_model = ChatCompletionStreamResponse
+    request_params = set(ChatCompletionRequest.model_fields)
+
+    def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
         try:
             messages = [m.to_template_dict() for m in req.messages]
-            return self.engine.apply_chat_template(messages)
+            return [self.engine.apply_chat_template(messages)]
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
         except Exception as e:  # jinja errors of the template (roles must alternate, ...)
             raise OpenAIError(400, f"messages: chat template failed: {e}", param="messages",
                               code="invalid_value") from e
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        try:
-            params = req.to_sampling_params()
-        except ValueError as e:
-            raise bad_request(e, _PARAMS) from e
-        prompt = self._prompt(req)
-        rid = random_id("chatcmpl")
-        model = req.model or self.served_model_name
-        streams = await self.submit([prompt], params, rid, req.cache_salt, _PARAMS)
-        fmt = LogprobFormatter(self.engine.tokenizer, req.top_logprobs or 0)
-        if req.stream:
-            body = self._stream(req, params.n, rid, model, streams[0], DeltaTracker(params), fmt)
-            return StreamingResponse(guarded(body, lambda e: engine_error(e).sse()),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            (final,) = await run_until_disconnect(raw, final_outputs(self.engine, streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            raise engine_error(e) from e
+    def response(self, call: Call, finals: list[RequestOutput]) -> ChatCompletionResponse:
+        (final,) = finals
         choices = [
             ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                 logprobs=_logprobs(fmt, c, 0, len(c.token_ids)) if req.logprobs else None,
+                                 logprobs=_logprobs(call.fmt, c, 0, len(c.token_ids)) if call.req.logprobs else None,
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
-        resp = ChatCompletionResponse(id=rid, created=now(), model=model, choices=choices,
-                                      usage=usage_of([final]))
-        return JSONResponse(resp.model_dump(mode="json"))
+        return ChatCompletionResponse(id=call.request_id, created=call.created, model=call.model, choices=choices,
+                                      usage=usage_of(finals))
 
-    async def _stream(self, req: ChatCompletionRequest, n: int, rid: str, model: str, stream: RequestStream,
-                      tracker: DeltaTracker, fmt: LogprobFormatter) -> AsyncIterator[str]:
-        created = now()
-        include_usage = req.include_usage
+    def stream_start(self, call: Call) -> Iterable[ChatCompletionStreamResponse]:
+        for i in range(call.params.n):
+            yield self.stream_chunk(call, ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
 
-        def chunk(index: int, delta: DeltaMessage, lp: ChatChoiceLogprobs | None = None,
-                  finish: str | None = None, stop_reason: Any = None) -> str:
-            resp = ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[
-                ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish,
-                                 stop_reason=stop_reason)])
-            d = resp.model_dump(mode="json")
-            # OpenAI sends only the delta fields that are set: {"role", "content"}, {"content"}, then {}
-            d["choices"][0]["delta"] = {k: v for k, v in d["choices"][0]["delta"].items() if v is not None}
-            if not include_usage:
-                d.pop("usage")
-            return sse(d)
-
-        for i in range(n):
-            yield chunk(i, DeltaMessage(role="assistant", content=""))
-        final = None
-        async for _, out in merge_streams(self.engine, [stream]):
-            if out.finished:
-                final = out
-            for c in out.outputs:
-                d = tracker.delta(c.index, c)
-                if d is None:
-                    continue
-                lp = None
-                if req.logprobs and d.end_token > d.start_token:
-                    lp = _logprobs(fmt, c, d.start_token, d.end_token)
-                if d.text or lp is not None:
-                    yield chunk(c.index, DeltaMessage(content=d.text), lp)
-                if d.finish_reason is not None:
-                    yield chunk(c.index, DeltaMessage(), finish=d.finish_reason, stop_reason=c.stop_reason)
-        if include_usage and final is not None:
-            yield sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                   usage=usage_of([final])).model_dump(mode="json"))
-        yield SSE_DONE
+    def stream_delta(self, call: Call, index: int, c: CompletionOutput, d: ChoiceDelta
+                     ) -> Iterable[ChatCompletionStreamResponse]:
+        lp = None
+        if call.req.logprobs and d.end_token > d.start_token:
+            lp = _logprobs(call.fmt, c, d.start_token, d.end_token)
+        if d.text or lp is not None:
+            yield self.stream_chunk(call, ChatStreamChoice(index=index, delta=DeltaMessage(content=d.text), logprobs=lp))
+        if d.finish_reason is not None:
+            yield self.stream_chunk(call, ChatStreamChoice(index=index, delta=DeltaMessage(),
+                                                     finish_reason=d.finish_reason, stop_reason=c.stop_reason))

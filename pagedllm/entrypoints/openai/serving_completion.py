@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from pagedllm.engine.async_engine import RequestStream
-from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -16,27 +12,9 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
-from pagedllm.entrypoints.openai.serving import (
-    SSE_DONE,
-    SSE_HEADERS,
-    ClientDisconnected,
-    DeltaTracker,
-    LogprobFormatter,
-    OpenAIServing,
-    engine_error,
-    final_outputs,
-    guarded,
-    merge_streams,
-    now,
-    random_id,
-    run_until_disconnect,
-    sse,
-    usage_of,
-)
-from pagedllm.outputs import CompletionOutput
-from pagedllm.sampling_params import SamplingParams
-
-_PARAMS = set(CompletionRequest.model_fields)
+from pagedllm.entrypoints.openai.serving import Call, LogprobFormatter, OpenAIServing, Prompt, usage_of
+from pagedllm.entrypoints.openai.streams import ChoiceDelta
+from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 def _logprobs(fmt: LogprobFormatter, c: CompletionOutput, start: int, end: int, offset: int
@@ -52,10 +30,14 @@ def _logprobs(fmt: LogprobFormatter, c: CompletionOutput, start: int, end: int, 
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, req: CompletionRequest) -> list[str | list[int]]:
+    id_prefix = "cmpl"
+    stream_model = CompletionStreamResponse
+    request_params = set(CompletionRequest.model_fields)
+
+    def prompts(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt
         if isinstance(p, str):
-            prompts: list[str | list[int]] = [p]
+            prompts: list[Prompt] = [p]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [p]  # type: ignore[list-item]
         else:
@@ -67,83 +49,42 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_token_ids(q)
         return prompts
 
-    async def create(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        try:
-            params = req.to_sampling_params()
-        except ValueError as e:
-            raise bad_request(e, _PARAMS) from e
-        prompts = self._prompts(req)
-        rid = random_id("cmpl")
-        model = req.model or self.served_model_name
-        streams = await self.submit(prompts, params, rid, req.cache_salt, _PARAMS)
-        echo = [self._echo_text(p) for p in prompts] if req.echo else None
-        if req.stream:
-            body = self._stream(req, params, rid, model, streams, echo)
-            return StreamingResponse(guarded(body, lambda e: engine_error(e).sse()),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as e:
-            raise engine_error(e) from e
-        fmt = LogprobFormatter(self.engine.tokenizer, req.logprobs or 0)
-        choices = []
-        for i, out in enumerate(finals):
-            prefix = echo[i] if echo else ""
-            for c in out.outputs:
-                lp = _logprobs(fmt, c, 0, len(c.token_ids), len(prefix))[0] if req.logprobs is not None else None
-                choices.append(CompletionChoice(index=i * params.n + c.index, text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        choices.sort(key=lambda ch: ch.index)
-        resp = CompletionResponse(id=rid, created=now(), model=model, choices=choices, usage=usage_of(finals))
-        return JSONResponse(resp.model_dump(mode="json"))
-
-    def _echo_text(self, prompt: str | list[int]) -> str:
+    def _echo(self, call: Call, prompt_index: int) -> str:
+        if not call.req.echo:
+            return ""
+        prompt = call.prompts[prompt_index]
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
-    async def _stream(self, req: CompletionRequest, params: SamplingParams, rid: str, model: str,
-                      streams: list[RequestStream], echo: list[str] | None) -> AsyncIterator[str]:
-        created = now()
-        include_usage = req.include_usage
-        tracker = DeltaTracker(params)
-        fmt = LogprobFormatter(self.engine.tokenizer, req.logprobs or 0)
-        offsets: dict[int, int] = {}
-        finals = {}
-
-        def chunk(index: int, text: str, lp: CompletionLogprobs | None, finish: str | None,
-                  stop_reason: int | str | None) -> str:
-            resp = CompletionStreamResponse(id=rid, created=created, model=model, choices=[
-                CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish,
-                                 stop_reason=stop_reason)])
-            d = resp.model_dump(mode="json")
-            if not include_usage:
-                d.pop("usage")
-            return sse(d)
-
-        if echo:
-            for i, text in enumerate(echo):
-                for j in range(params.n):
-                    offsets[i * params.n + j] = len(text)
-                    yield chunk(i * params.n + j, text, None, None, None)
-        async for i, out in merge_streams(self.engine, streams):
-            if out.finished:
-                finals[i] = out
+    def response(self, call: Call, finals: list[RequestOutput]) -> CompletionResponse:
+        want_logprobs = call.req.logprobs is not None
+        choices = []
+        for i, out in enumerate(finals):
+            prefix = self._echo(call, i)
             for c in out.outputs:
-                index = i * params.n + c.index
-                d = tracker.delta(index, c)
-                if d is None:
-                    continue
-                lp = None
-                if req.logprobs is not None and d.end_token > d.start_token:
-                    lp, offsets[index] = _logprobs(fmt, c, d.start_token, d.end_token, offsets.get(index, 0))
-                if d.text or lp is not None:
-                    yield chunk(index, d.text, lp, None, None)
-                if d.finish_reason is not None:
-                    yield chunk(index, "", None, d.finish_reason, c.stop_reason)
-        if include_usage:
-            usage = usage_of([finals[i] for i in sorted(finals)])
-            yield sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                               usage=usage).model_dump(mode="json"))
-        yield SSE_DONE
+                lp = _logprobs(call.fmt, c, 0, len(c.token_ids), len(prefix))[0] if want_logprobs else None
+                choices.append(CompletionChoice(index=call.choice_index(i, c), text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        choices.sort(key=lambda ch: ch.index)
+        return CompletionResponse(id=call.request_id, created=call.created, model=call.model, choices=choices,
+                                  usage=usage_of(finals))
+
+    def stream_start(self, call: Call) -> Iterable[CompletionStreamResponse]:
+        if not call.req.echo:
+            return
+        for i in range(len(call.prompts)):
+            text = self._echo(call, i)
+            for j in range(call.params.n):
+                call.text_offsets[i * call.params.n + j] = len(text)
+                yield self.stream_chunk(call, CompletionChoice(index=i * call.params.n + j, text=text))
+
+    def stream_delta(self, call: Call, index: int, c: CompletionOutput, d: ChoiceDelta
+                     ) -> Iterable[CompletionStreamResponse]:
+        lp = None
+        if call.req.logprobs is not None and d.end_token > d.start_token:
+            lp, call.text_offsets[index] = _logprobs(call.fmt, c, d.start_token, d.end_token,
+                                                     call.text_offsets.get(index, 0))
+        if d.text or lp is not None:
+            yield self.stream_chunk(call, CompletionChoice(index=index, text=d.text, logprobs=lp))
+        if d.finish_reason is not None:
+            yield self.stream_chunk(call, CompletionChoice(index=index, text="", finish_reason=d.finish_reason,
+                                                     stop_reason=c.stop_reason))
