@@ -36,6 +36,7 @@ class EngineArgs:
     kv_layout: str = "paged"
     attention_backend: str = "auto"
     seed: int = 0
+    structured_outputs_backend: str = "llguidance"  # or "xgrammar" (see pagedllm/structured/)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "auto"):

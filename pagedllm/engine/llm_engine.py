@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,8 +21,9 @@ from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.gate import GrammarGate
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.sampler import Sampler, SamplingRow
+from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    matcher: Any = None  # structured outputs: this sample's grammar matcher
 
     def output(self) -> CompletionOutput:
         cumulative = self.cumulative_logprob if self.logprobs is not None else None
@@ -57,6 +61,7 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: the other samples fork from the first once the prompt is prefilled
     error: str | None = None
+    grammar: Future | None = None  # structured outputs: the compiled grammar
 
     @property
     def finished(self) -> bool:
@@ -94,6 +99,8 @@ class LLMEngine:
         self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence
         self._state_of: dict[int, RequestState] = {}  # id(Request) -> RequestState
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
+        self._structured = None  # StructuredOutputManager, made on the first constrained request
+        self._grammar_gate = GrammarGate()
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
                     time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
                     num_blocks * args.block_size)
@@ -133,12 +140,48 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
+        if params.structured_outputs is not None:
+            state.grammar = self.structured_outputs.submit(params.structured_outputs)
+            if state.grammar.done() and state.grammar.exception() is not None:
+                raise state.grammar.exception()  # a cached compile error: a GrammarError (ValueError)
         req = Request(request_id, ids, max_tokens, cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self._add_sequence(state, req, 0)
-        self.scheduler.add_request(req)
+        if state.grammar is not None and not state.grammar.done():
+            self._grammar_gate.hold(state.grammar, (state, req))
+        else:
+            self.scheduler.add_request(req)
         self.requests[request_id] = state
+
+    @property
+    def structured_outputs(self):
+        """The StructuredOutputManager (compile thread, grammar cache), made on first use."""
+        if self._structured is None:
+            from pagedllm.structured.manager import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                       sorted(self.eos_token_ids),
+                                                       self.args.structured_outputs_backend)
+        return self._structured
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled go to the scheduler; a failed compile fails its request."""
+        if not self.scheduler.running and not self.scheduler.waiting:
+            self._grammar_gate.wait(0.01)  # nothing else to do: do not spin on the compile
+        failed = []
+        for (state, req), err in self._grammar_gate.release():
+            if err is None:
+                self.scheduler.add_request(req)
+                continue
+            state.error = str(err)
+            for s in state.seqs:
+                s.finish_reason = "abort"
+            self.requests.pop(state.request_id, None)
+            self._seq_of.pop(id(req), None)
+            self._state_of.pop(id(req), None)
+            failed.append(state.output())
+        return failed
 
     def _add_sequence(self, state: RequestState, req: Request, index: int) -> Sequence:
         p = state.params
@@ -160,6 +203,10 @@ class LLMEngine:
             for seq in state.seqs:
                 if not seq.finish_reason:
                     seq.finish_reason = "abort"
+            if self._grammar_gate.drop((state, state.seqs[0].request)):  # never reached the scheduler
+                self._seq_of.pop(id(state.seqs[0].request), None)
+                self._state_of.pop(id(state.seqs[0].request), None)
+                continue
             self._release(state, RequestStatus.FINISHED_ABORTED)
 
     def _release(self, state: RequestState, status: RequestStatus) -> None:
@@ -171,9 +218,10 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if len(self._grammar_gate) else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return failed
         kv = self.kv.stats()
         self._slot_samples[0] += kv["used_slots"]
         self._slot_samples[1] += kv["allocated_slots"]
@@ -195,7 +243,7 @@ class LLMEngine:
                 row_logit.append(i)
         if rows:
             identity = row_logit == list(range(len(logits)))  # no forks this step: skip a [rows, vocab] copy
-            sampled = self.sampler(logits if identity else logits[row_logit], rows)
+            sampled = self.sampler(logits if identity else logits[row_logit], rows, self._token_bitmask(row_seqs))
             for j, seq in enumerate(row_seqs):
                 state = self._state_of[id(seq.request)]
                 try:
@@ -205,7 +253,7 @@ class LLMEngine:
                     state.error = f"{type(e).__name__}: {e}"
                     for s in state.seqs:
                         s.finish_reason = s.finish_reason or "abort"
-        outputs = []
+        outputs = failed
         for state in touched.values():
             if state.error or state.finished:
                 self.requests.pop(state.request_id, None)
@@ -223,6 +271,19 @@ class LLMEngine:
         logits = self.runner.execute(scheduled, block_tables, out.block_copies, sample_rows)
         self.scheduler.update_after_step(out)
         return [(row, scheduled[i].request) for row, i in enumerate(sample_rows)], logits
+
+    def _token_bitmask(self, seqs: list[Sequence]) -> TokenBitmask | None:
+        """The tokens each constrained sample may take next (unconstrained rows are not in it)."""
+        rows, matchers = [], []
+        for j, seq in enumerate(seqs):
+            state = self._state_of[id(seq.request)]
+            if state.grammar is None:
+                continue
+            if seq.matcher is None:  # each sample (n > 1) walks the grammar with its own matcher
+                seq.matcher = self.structured_outputs.matcher(state.grammar.result())
+            rows.append(j)
+            matchers.append(seq.matcher)
+        return TokenBitmask(rows, self.structured_outputs.bitmask(matchers)) if rows else None
 
     def _fork_samples(self, state: RequestState, parent: Request) -> list[Sequence]:
         """n > 1: the other samples share the prefilled prompt's blocks (copy-on-write later)."""
@@ -242,6 +303,8 @@ class LLMEngine:
         token = sampled.token_ids[j]
         req = seq.request
         req.append_output_token(token)
+        if seq.matcher is not None and not seq.matcher.accept(token):
+            raise RuntimeError(f"structured outputs: the grammar rejected token {token} (an empty mask?)")
         if seq.logprobs is not None:
             seq.cumulative_logprob += sampled.logprobs[j]
             entry = {token: Logprob(sampled.logprobs[j], sampled.ranks[j], self._decode_one(token))}
@@ -258,6 +321,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif (stop := seq.detokenizer.add_token(token)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            seq.finish_reason = "stop"  # the grammar is complete (its stop token was taken or ignore_eos is set)
         elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason:

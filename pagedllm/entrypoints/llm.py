@@ -42,6 +42,10 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        grammars = [self.engine.structured_outputs.submit(p.structured_outputs) for p in params
+                    if p.structured_outputs is not None]  # compile them all at once, in the background
+        for g in grammars:
+            g.result()  # an invalid schema / regex / grammar raises its GrammarError (a ValueError) before any add
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

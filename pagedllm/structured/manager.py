@@ -26,6 +26,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._bitmask = np.zeros((0, bitmask_words(vocab_size)), np.int32)
 
     @property
@@ -39,15 +40,16 @@ class StructuredOutputManager:
         """The compiled grammar as a future (done at once when cached). A failed compile's GrammarError is the
         future's exception, cached too: the same bad schema fails fast."""
         key = params.key
-        fut = self._cache.get(key)
-        if fut is None:
-            fut = self._pool.submit(lambda: self.backend.compile(params))
-            self._cache[key] = fut
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return fut
+        with self._cache_lock:  # the server's event loop validates through here too
+            fut = self._cache.get(key)
+            if fut is None:
+                fut = self._pool.submit(lambda: self.backend.compile(params))
+                self._cache[key] = fut
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+            return fut
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """Blocking compile (through the same thread and cache); raises GrammarError."""

@@ -51,7 +51,8 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     vocab = logits.shape[1]
     allowed = np.unpackbits(mask.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     rows = torch.tensor(mask.rows, dtype=torch.int64)
-    logits[rows] = logits[rows].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+    with torch.inference_mode():  # the logits may be the runner's (inference-mode) buffer
+        logits[rows] = logits[rows].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
 
 
 def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
