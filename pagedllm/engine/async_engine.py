@@ -127,9 +127,14 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         # Pure function of the tokenizer: safe to call outside the loop thread.
-        return self.engine.apply_chat_template(messages)
+        return self.engine.apply_chat_template(messages, tools)
+
+    async def compile_grammar(self, structured_outputs: Any) -> None:
+        """Compile a request's constraint (or find it cached) on the engine's compile thread, so that an invalid
+        one is an error for that request before it is added; raises GrammarError (a ValueError)."""
+        await asyncio.wrap_future(self.engine.structured_outputs.submit(structured_outputs))
 
     # -- life cycle -----------------------------------------------------------------------------------------
     @property

@@ -125,10 +125,10 @@ class LLMEngine:
         check_token_ids(ids, self.model_config.vocab_size)
         return ids
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:

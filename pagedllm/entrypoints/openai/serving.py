@@ -26,8 +26,10 @@ from pagedllm.entrypoints.openai.streams import (
     merge_streams,
     run_until_disconnect,
 )
+from pagedllm.entrypoints.openai.structured import requested_structure
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured import StructuredOutputsParams
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
@@ -138,6 +140,10 @@ class OpenAIServing:
     def prompts(self, req: Any) -> list[Prompt]:
         raise NotImplementedError
 
+    def structure(self, req: Any) -> StructuredOutputsParams | None:
+        """What the output must match (response_format, structured_outputs, guided_*); ValueError if invalid."""
+        return requested_structure(req)
+
     def response(self, call: Call, finals: list[RequestOutput]) -> BaseModel:
         """The whole (non-streamed) response."""
         raise NotImplementedError
@@ -160,7 +166,10 @@ class OpenAIServing:
         self.check_model(req.model)
         try:
             params = req.to_sampling_params()
-        except ValueError as e:
+            params.structured_outputs = self.structure(req)
+            if params.structured_outputs is not None:
+                await self.engine.compile_grammar(params.structured_outputs)
+        except ValueError as e:  # GrammarError included: its message starts with the field at fault
             raise bad_request(e, self.request_params) from e
         prompts = self.prompts(req)
         call = Call(req, params, random_id(self.id_prefix), req.model or self.served_model_name, prompts,
