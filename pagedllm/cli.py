@@ -16,7 +16,8 @@ DEFAULT_PROMPTS = [
     "Explain in two sentences why a KV cache speeds up text generation.",
     "List three prime numbers greater than 10.",
 ]
-BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving"]
+BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving",
+              "router_sim", "structured"]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -7,13 +7,14 @@ import zlib
 import pytest
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention import build_attention_metadata, get_backend
 from pagedllm.attention.reference import ReferenceBackend
 
-cpu_kernel = pytest.importorskip("pagedllm.attention.cpu_kernel")
+cpu = pytest.importorskip("pagedllm.attention.cpu")
 
 try:
-    cpu_kernel.load_ops()
+    kernels.load_ops()
 except Exception as e:  # pragma: no cover - a machine without a compiler
     pytest.skip(f"cpu kernel does not build here: {e}", allow_module_level=True)
 
@@ -81,7 +82,7 @@ def test_kernel_matches_reference(case, kv_dtype, portable):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((case, kv_dtype, portable)).encode()))
     dtype = kv_dtype  # the model runs in the KV dtype
     batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
-    backend = cpu_kernel.CpuAttentionBackend(portable=portable)
+    backend = cpu.CpuAttentionBackend(portable=portable)
     out, ref = run_both(backend, *batch, scale=d ** -0.5)
     assert out.dtype == dtype and out.shape == batch[0].shape
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
@@ -99,7 +100,7 @@ def test_long_context_split_matches(min_items, kv_dtype):
                                      meta, scale)
     from pagedllm.attention.reference import write_kv
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = cpu_kernel.paged_attention(q, k_cache, v_cache, meta, scale, min_items=min_items)
+    out = kernels.paged_attention(q, k_cache, v_cache, meta, scale, min_items=min_items)
     torch.testing.assert_close(out.double(), ref, **tol(kv_dtype))
 
 
@@ -112,7 +113,7 @@ def test_strided_q_and_large_scores():
     qkv = torch.randn(k.shape[0], (hq + 2 * hkv) * d, generator=gen) * 30
     q = qkv[:, :hq * d].view(-1, hq, d)
     assert not q.is_contiguous()
-    out, ref = run_both(cpu_kernel.CpuAttentionBackend(), q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
+    out, ref = run_both(cpu.CpuAttentionBackend(), q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -126,15 +127,15 @@ def test_bad_block_table_rejected():
     q, k, v, k_cache, v_cache, meta = make_batch(gen, [5], [1], 8, 2, 1, 64, torch.float32, torch.float32)
     meta.block_tables[0, 0] = k_cache.shape[0]  # out of range
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_kernel.paged_attention(q, k_cache, v_cache, meta, 0.1)
+        kernels.paged_attention(q, k_cache, v_cache, meta, 0.1)
 
 
 def test_build_variant_flags():
-    name, isa = cpu_kernel.build_variant({"sse2", "sse4_2"})
+    name, isa = kernels.build_variant({"sse2", "sse4_2"})
     assert name == "portable" and isa == []
-    name, isa = cpu_kernel.build_variant({"sse2", "avx2", "fma"})
+    name, isa = kernels.build_variant({"sse2", "avx2", "fma"})
     assert name == "avx2" and not any("avx512" in f for f in isa)
-    name, isa = cpu_kernel.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
+    name, isa = kernels.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
     assert name == "avx512" and "-mavx512f" in isa and "-march=native" not in isa
 
 
@@ -144,7 +145,7 @@ def test_flex_paged_block_mask_eager():
     Eager flex on a tiny pool (the compiled path is exercised by `pagedllm bench kernel --flex`)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from pagedllm.attention.flex import paged_block_mask
+    from pagedllm.benchmarks.flex import paged_block_mask
 
     gen = torch.Generator().manual_seed(11)
     lens = [13, 40, 8, 25]
@@ -163,7 +164,7 @@ def test_auto_falls_back_to_reference_when_build_fails(monkeypatch, caplog):
     def broken():
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setattr(cpu_kernel, "load_ops", broken)
+    monkeypatch.setattr(cpu, "load_ops", broken)
     assert get_backend("auto").name == "reference"
     assert "simulated compiler failure" in caplog.text
 
@@ -186,7 +187,7 @@ def test_random_mixed_batches(seed):
     new = [1 if k == 0 else randint(1, 90) for k in kind]
     dtype = torch.float32 if seed % 2 == 0 else torch.bfloat16
     batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, dtype)
-    out, ref = run_both(cpu_kernel.CpuAttentionBackend(), *batch, scale=d ** -0.5)
+    out, ref = run_both(cpu.CpuAttentionBackend(), *batch, scale=d ** -0.5)
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
 
 
@@ -204,6 +205,6 @@ def test_kernel_benchmark_smoke(capsys):
 def test_mixed_query_and_cache_dtypes(q_dtype, kv_dtype):
     gen = torch.Generator().manual_seed(99)
     q, k, v, k_cache, v_cache, meta = make_batch(gen, *MIXED, 16, 9, 3, 64, q_dtype, kv_dtype)
-    out, ref = run_both(cpu_kernel.CpuAttentionBackend(), q, k, v, k_cache, v_cache, meta, scale=0.125)
+    out, ref = run_both(cpu.CpuAttentionBackend(), q, k, v, k_cache, v_cache, meta, scale=0.125)
     assert out.dtype == q_dtype
     torch.testing.assert_close(out.double(), ref, **tol(q_dtype))

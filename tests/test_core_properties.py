@@ -208,6 +208,7 @@ class KVCoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         covered = 0
+        fill: dict[int, int] = {}  # physical block -> slots holding tokens (the fullest holder's view)
         for r in self.live:
             state = self.m._requests[r.request_id]
             n_blocks = len(self.m.get_block_ids(r))
@@ -217,8 +218,11 @@ class KVCoreMachine(RuleBasedStateMachine):
                 assert n_blocks == cdiv(state.num_tokens, self.B)
             assert r.num_computed_tokens <= state.num_tokens <= n_blocks * self.B
             covered += state.num_tokens
+            for i, bid in enumerate(self.m.get_block_ids(r)):
+                fill[bid] = max(fill.get(bid, 0), min(self.B, max(0, state.num_tokens - i * self.B)))
         s = self.m.stats()
-        assert s["used_slots"] == covered
+        assert s["logical_slots"] == covered
+        assert s["used_slots"] == sum(fill.values()) <= s["allocated_slots"]
         assert s["allocated_slots"] == (s["num_blocks"] - s["num_free_blocks"]) * self.B
         assert s["prefix_cache_hits"] <= s["prefix_cache_queries"]
         assert s["peak_used_blocks"] >= s["num_blocks"] - s["num_free_blocks"]

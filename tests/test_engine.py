@@ -290,3 +290,36 @@ def test_mean_slot_utilisation_is_sampled_while_running(tiny_dir):
     llm.generate(random_prompts(4, seed=17, lo=20, hi=40), GREEDY, use_tqdm=False)
     util = llm.kv_cache_stats()["mean_slot_utilisation"]
     assert 0.5 < util <= 1.0  # block size 8: at most 7 empty slots per request's last block
+
+
+def test_request_that_can_never_fit_the_cache_is_rejected_not_stalled(tiny_dir):
+    llm = make_llm(tiny_dir, num_kv_blocks=8)  # 64 slots
+    prompt = random_prompts(1, seed=20, lo=10, hi=10)[0]
+    with pytest.raises(ValueError, match=r"max_tokens \(100\) needs 109 KV slots but the whole cache holds 64"):
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    # open-ended: runs to the cache's capacity and finishes with "length"; the queue behind it moves on
+    outs = llm.generate([prompt, prompt[:4]], [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                                               SamplingParams(temperature=0, max_tokens=4)], use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 64 + 1 - 10 and outs[0].outputs[0].finish_reason == "length"
+    assert len(outs[1].outputs[0].token_ids) <= 4
+    assert_no_leaks(llm)
+
+
+def test_a_failing_model_step_fails_only_the_request_that_causes_it(tiny_dir):
+    prompts = random_prompts(5, seed=21)
+    poison = prompts[2] + [2]  # token 2 never occurs in random_prompts: the injected fault
+    reference = tokens(make_llm(tiny_dir).generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(tiny_dir)
+    execute = llm.engine.runner.execute
+
+    def faulty(scheduled, *args):
+        if any(2 in s.request.all_token_ids for s in scheduled):
+            raise RuntimeError("injected fault")
+        return execute(scheduled, *args)
+
+    llm.engine.runner.execute = faulty
+    outs = llm.generate(prompts[:2] + [poison] + prompts[3:], GREEDY, use_tqdm=False)
+    assert "injected fault" in outs[2].error and outs[2].outputs[0].finish_reason == "abort"
+    assert [o.error for i, o in enumerate(outs) if i != 2] == [None] * 4
+    assert [t for i, t in enumerate(tokens(outs)) if i != 2] == reference[:2] + reference[3:]
+    assert_no_leaks(llm)

@@ -369,13 +369,17 @@ def test_stats_and_usage():
     s = m.stats()
     assert s["prefix_cache_queries"] == 20 and s["prefix_cache_hits"] == 2 * B
     assert s["prefix_cache_block_queries"] == 4 and s["prefix_cache_block_hits"] == 2
-    assert s["used_slots"] == 20  # shared blocks count once per request
+    assert s["used_slots"] == 12  # each physical block once: 8 shared + 3 of a + 1 of b
+    assert s["logical_slots"] == 20  # per table: the shared blocks count once per request
     assert s["allocated_slots"] == 4 * B and m.usage() == pytest.approx(0.4)
     assert s["peak_used_blocks"] == 4
     m.free(a)
     m.free(b)
     s = m.stats()
-    assert s["used_slots"] == 0 and s["allocated_slots"] == 0 and s["peak_used_blocks"] == 4
+    assert s["used_slots"] == 0 and s["logical_slots"] == 0 and s["allocated_slots"] == 0
+    assert s["peak_used_blocks"] == 4
+    m.reset_peak()
+    assert m.stats()["peak_used_blocks"] == 0
     assert m.usage() == 0.0
 
 

@@ -88,7 +88,7 @@ def test_no_tokenizer_files_is_not_fatal(tmp_path):
 def test_bfloat16_weights(tmp_path):
     _tiny_qwen2(tmp_path)
     loaded = load_model(str(tmp_path), "bfloat16", attention_backend="reference", load_tokenizer=False)
-    assert loaded.model.layers[0].attn.qkv.dtype == torch.bfloat16
+    assert loaded.model.layers[0].attn.qkv.weight.dtype == torch.bfloat16
     assert _logits(loaded, [1, 2, 3]).dtype == torch.float32
 
 

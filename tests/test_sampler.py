@@ -119,7 +119,7 @@ def test_kernel_nucleus_edges_equal_the_definition(vocab, scale, top_p):
     """Uniforms at 0 and just below 1 draw the first and last kept token in vocabulary order: both must be the
     definition's, including where the nucleus is nearly the whole vocabulary (the kernel skips tokens below
     (1 - top_p) * mass / vocab before its histograms)."""
-    from pagedllm.attention.cpu_kernel import kernel_op
+    from pagedllm.kernels import kernel_op
 
     op = kernel_op("sample_from_logits")
     if op is None:
@@ -137,7 +137,7 @@ def test_kernel_nucleus_edges_equal_the_definition(vocab, scale, top_p):
 
 @pytest.mark.parametrize("vocab", [1, 7, 16, 49152, 1000])
 def test_kernel_argmax_equals_torch_including_ties(vocab):
-    from pagedllm.attention.cpu_kernel import kernel_op
+    from pagedllm.kernels import kernel_op
 
     op = kernel_op("argmax_rows")
     if op is None:

@@ -446,15 +446,15 @@ def test_extras_accepted(client, prompts):
 
 # --- faults ------------------------------------------------------------------------------------------------
 def test_request_failure_is_isolated(server, client, prompts, oracle, monkeypatch):
-    engine = server.engine.engine
-    original = engine._append_token
+    processor = server.engine.engine.output_processor
+    original = processor._append_token
 
-    def poisoned(state, seq, sampled, j):
+    def poisoned(state, sample, sampled, row):
         if state.prompt and "POISON" in state.prompt:
             raise RuntimeError("injected fault")
-        return original(state, seq, sampled, j)
+        return original(state, sample, sampled, row)
 
-    monkeypatch.setattr(engine, "_append_token", poisoned)
+    monkeypatch.setattr(processor, "_append_token", poisoned)
 
     async def main():
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -471,7 +471,7 @@ def test_request_failure_is_isolated(server, client, prompts, oracle, monkeypatc
     stream = client.completions.create(model="smol", prompt="POISON x", max_tokens=4, stream=True)
     with pytest.raises(openai.APIError):
         list(stream)
-    monkeypatch.setattr(engine, "_append_token", original)
+    monkeypatch.setattr(processor, "_append_token", original)
     assert_no_leak(wait_idle(server))
 
 

@@ -34,7 +34,7 @@ def test_linear_dispatch_uses_kernel_only_for_small_bf16_batches():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(300, 128, generator=g).bfloat16()
     b = torch.randn(300, generator=g).bfloat16()
-    for rows in (1, layers.SMALL_BATCH_ROWS, layers.SMALL_BATCH_ROWS + 1, 40):
+    for rows in (1, layers.small_batch_rows(), layers.small_batch_rows() + 1, 40):
         x = torch.randn(rows, 128, generator=g).bfloat16()
         got = layers.linear(x, w, b)
         ref = torch.nn.functional.linear(x.float(), w.float(), b.float())

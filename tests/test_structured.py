@@ -86,12 +86,12 @@ def test_backend_mask_follows_the_grammar(backend, tiny):
     bitmask = np.zeros((2, bitmask_words(vocab)), np.int32)
     allowed = lambda row, t: bool((bitmask[row, t // 32] >> (t % 32)) & 1)  # noqa: E731
     for i, t in enumerate(ids):
-        b.fill_bitmasks(matchers, bitmask)
+        b.fill_bitmasks(matchers, bitmask, [0, 1])
         assert allowed(0, t), (i, tok.decode([t]))
         if i == 0:
             assert not allowed(0, tok.encode("x", add_special_tokens=False)[0])  # a JSON object starts with {
         assert matchers[0].accept(t)
-    b.fill_bitmasks(matchers, bitmask)
+    b.fill_bitmasks(matchers, bitmask, [0, 1])
     assert allowed(1, ids[0]) and not allowed(1, ids[1])  # the other matcher never moved: still at the start
     if not matchers[0].is_terminated():  # llguidance stops as soon as nothing can follow, xgrammar at the stop
         assert [t for t in range(vocab) if allowed(0, t)] == [eos]  # complete: only the stop token
@@ -170,3 +170,27 @@ def test_too_few_tokens_end_with_length_and_bad_grammars_raise(llm):
     assert not llm.engine.requests
     # compiled grammars are cached by key: the same schema again is ready at once
     assert llm.engine.structured_outputs.submit(StructuredOutputsParams(json=dict(SCHEMA))).done()
+
+
+def test_draft_rows_follow_the_drafts_and_matchers_end_where_they_started(tiny):
+    from transformers import AutoTokenizer
+
+    from pagedllm.structured.manager import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    mgr = StructuredOutputManager(tok, len(tok), [tok.eos_token_id])
+    grammar = mgr.compile(StructuredOutputsParams(regex=r"ab(c|d)+"))
+    enc = lambda s: [tok.convert_tokens_to_ids(ch) for ch in s]  # noqa: E731  (one token per letter)
+    walked, fresh = mgr.matcher(grammar), mgr.matcher(grammar)
+    assert walked.accept(enc("a")[0])
+    drafts = enc("bcxd")  # "x" breaks the grammar: its row and the rows after repeat the last valid mask
+    rows = mgr.bitmask([(fresh, []), (walked, drafts)]).copy()
+    assert fresh.accept(enc("a")[0])
+    expect = [mgr.bitmask([(fresh, [])])[0].copy()]
+    for t in enc("bc"):
+        assert fresh.accept(t)
+        expect.append(mgr.bitmask([(fresh, [])])[0].copy())
+    assert np.array_equal(rows[1:4], np.stack(expect)) and np.array_equal(rows[4], rows[3])
+    assert np.array_equal(rows[5], rows[3])
+    assert walked.accept(enc("b")[0]) and not walked.accept(enc("a")[0])  # back right after "a"
+    mgr.shutdown()

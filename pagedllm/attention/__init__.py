@@ -36,7 +36,7 @@ class AttentionBackend(Protocol):
 # name -> (priority, factory). A factory may raise (e.g. ImportError, build failure): then it is unavailable.
 _REGISTRY: dict[str, tuple[int, Callable[[], Any]]] = {"reference": (0, ReferenceBackend)}
 # Optional modules that register faster backends when imported (missing ones are skipped).
-_OPTIONAL_MODULES = ["pagedllm.attention.cpu_kernel"]
+_OPTIONAL_MODULES = ["pagedllm.attention.cpu"]
 
 
 def register_backend(name: str, factory: Callable[[], Any], priority: int = 10) -> None:

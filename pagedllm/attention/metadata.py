@@ -40,7 +40,7 @@ def compute_positions(num_computed: list[int], num_new: list[int]) -> np.ndarray
 
 
 def build_attention_metadata(block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
-                             block_size: int) -> AttentionMetadata:
+                             block_size: int, positions: np.ndarray | None = None) -> AttentionMetadata:
     """Vectorised (numpy) construction of the metadata of one flat batch; no per-token Python.
 
     Token t of request r (t counted from the request's start) lives in slot
@@ -71,7 +71,8 @@ def build_attention_metadata(block_tables: list[list[int]], num_computed: list[i
         mask = np.arange(max_blocks)[None, :] < lens[:, None]
         table[mask] = flat  # row-major fill keeps each request's order
 
-    positions = compute_positions(computed.tolist(), new.tolist())
+    if positions is None:  # the model runner passes the positions it computed for the model
+        positions = compute_positions(computed.tolist(), new.tolist())
     req_idx = np.repeat(np.arange(num_reqs), new)
     slots = table[req_idx, positions // block_size] * block_size + positions % block_size
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)

@@ -252,8 +252,7 @@ def warm_up(llm, n: int = 2) -> None:
 
 def reset_peak(llm) -> None:
     """Start a fresh peak-blocks measurement (the manager keeps a running maximum)."""
-    kv = llm.engine.kv
-    kv.peak_used_blocks = kv.num_used_blocks()
+    llm.engine.reset_stats()
 
 
 # ---- statistics and output -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import common
 from pagedllm.benchmarks.engine import pagedllm_speeds, python_share
-from pagedllm.model import layers, llama
+from pagedllm.model import layers, llama, mlp
 
 
 def compiled_pointwise() -> dict:
@@ -36,11 +36,11 @@ def compiled_pointwise() -> dict:
     def silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
-    def swiglu(self: layers.SwiGLU, x: torch.Tensor) -> torch.Tensor:
-        return layers.linear(silu_gate(layers.linear(x, self.gate_up), self.intermediate), self.down)
+    def swiglu(self: mlp.GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_gate(self.gate_up(x), self.intermediate))
 
     return {(layers.RMSNorm, "forward"): lambda self, x: rms_norm(x, self.weight, self.eps),
-            (layers.SwiGLU, "forward"): swiglu,
+            (mlp.GatedMLP, "forward"): swiglu,
             (llama, "apply_rope"): torch.compile(layers.apply_rope, dynamic=True)}
 
 

@@ -126,18 +126,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--quick", action="store_true", help="2 repetitions")
+    p.add_argument("--kernels", choices=["invariant", "current", "both"], default="invariant",
+                   help="batch-invariant kernels (the default), the batch-dependent ones, or both (an A/B)")
 
 
 def run(args: argparse.Namespace) -> None:
     repeat = 2 if args.quick else args.repeat
-    llm = LLM(dtype=args.dtype, kv_cache_memory="2GiB")
+    sets = ["invariant", "current"] if args.kernels == "both" else [args.kernels]
+    llms = {k: LLM(dtype=args.dtype, kv_cache_memory="2GiB", batch_invariant=k == "invariant") for k in sets}
+    llm = llms[sets[0]]
     prompt = list(range(PROMPT_LEN))
     bandwidth, matmul = measured_bandwidth(), measured_matmul_rate(llm.engine.runner.model.dtype)
     weight_bytes, flops_per_token = model_costs(llm)
-    prefill, decode = pagedllm_speeds(llm, prompt, repeat)
     decode_floor = bandwidth / weight_bytes  # every weight read once per token
     prefill_floor = matmul / flops_per_token
-    rows = [("pagedllm " + args.dtype, prefill, decode)]
+    rows = [(f"pagedllm {args.dtype} {k} kernels", *pagedllm_speeds(each, prompt, repeat))
+            for k, each in llms.items()]
     peer = None if args.no_llama_cpp else llama_cpp_speeds(llm.engine.args.model or _default_path(), prompt,
                                                             repeat)
     if peer:
@@ -149,7 +153,12 @@ def run(args: argparse.Namespace) -> None:
     print(f"{'system':38} {'prefill tok/s':>14} {'vs floor':>9} {'decode tok/s':>13} {'vs floor':>9}")
     for name, pf, dc in rows:
         print(f"{name:38} {pf:14.0f} {pf / prefill_floor:9.2f} {dc:13.1f} {dc / decode_floor:9.2f}")
+    if len(llms) == 2:
+        (_, pf_inv, dc_inv), (_, pf_cur, dc_cur) = rows[:2]
+        print(f"invariant / current kernels: prefill {pf_inv / pf_cur:.3f}x, decode {dc_inv / dc_cur:.3f}x "
+              "(target >= 0.95)")
     if peer:
+        prefill, decode = rows[0][1:]
         print(f"pagedllm / llama.cpp: prefill {prefill / peer[0]:.2f}x, decode {decode / peer[1]:.2f}x")
     print("\nPython-side share of a decode step (everything outside the model's forward):")
     for batch in (64, 256):

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from pagedllm.attention import cpu_kernel
+    from pagedllm import kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,14 +105,14 @@ def measure(args: argparse.Namespace) -> dict:
                               args.head_dim, args.block_size)
     scale = d ** -0.5
     gen = torch.Generator().manual_seed(0)
-    ops = cpu_kernel.load_ops()
+    kernels.load_ops()
     k_cache, v_cache, tables, k_contig, v_contig = build_pool(r, ctx, hkv, d, bs, dtype, gen)
     tlist = tables.tolist()
     esz = k_cache.element_size()
     kv_bytes = 2 * r * ctx * hkv * d * esz
     results: dict = {"shape": dict(requests=r, context=ctx, hq=hq, hkv=hkv, head_dim=d, block_size=bs,
                                    dtype=args.dtype), "threads": torch.get_num_threads(),
-                     "avx512": bool(ops.capabilities() & 1)}
+                     "variant": kernels.build_variant()[0]}
     results["bandwidth_gbs"] = measure_bandwidth(args.bandwidth_mib << 20)
 
     # ---- decode: one new query per request, the whole context cached
@@ -121,13 +121,13 @@ def measure(args: argparse.Namespace) -> dict:
     q4 = q[:, :, None, :]
     out = torch.empty_like(q)
     fns = {
-        "paged kernel": lambda: cpu_kernel.paged_attention(q, k_cache, v_cache, meta, scale, out=out),
+        "paged kernel": lambda: kernels.paged_attention(q, k_cache, v_cache, meta, scale, out=out),
         "gather + SDPA": lambda: gather_sdpa_decode(q4, k_cache, v_cache, tables, ctx, scale),
         "contiguous SDPA": lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, scale=scale,
                                                                   enable_gqa=True),
     }
     if args.flex:
-        from pagedllm.attention import flex
+        from pagedllm.benchmarks import flex
         flex_decode = flex.FlexPagedDecode(k_cache, v_cache, tables, ctx, hq, scale)
         fns["flex (compiled)"] = lambda: flex_decode(q)
     ref = fns["contiguous SDPA"]()[:, :, 0].float()
@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict:
     qp4 = qp.view(rp, ctx, hq, d).transpose(1, 2)
     outp = torch.empty_like(qp)
     pf = {
-        "paged kernel": lambda: cpu_kernel.paged_attention(qp, k_cache, v_cache, meta_p, scale, out=outp),
+        "paged kernel": lambda: kernels.paged_attention(qp, k_cache, v_cache, meta_p, scale, out=outp),
         "SDPA causal": lambda: F.scaled_dot_product_attention(qp4, k_contig[:rp], v_contig[:rp], is_causal=True,
                                                               scale=scale, enable_gqa=True),
     }
@@ -171,7 +171,7 @@ def _print(res: dict) -> None:
     s = res["shape"]
     print(f"# kernel bench: {s['requests']} req x {s['context']} tok, {s['hq']}/{s['hkv']} heads, "
           f"head_dim {s['head_dim']}, block {s['block_size']}, {s['dtype']}, {res['threads']} threads, "
-          f"avx512={res['avx512']}; torch {torch.__version__}, {platform.processor() or platform.machine()}")
+          f"build {res['variant']}; torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print(f"measured read bandwidth (best of 7): {res['bandwidth_gbs']:.1f} GB/s\n")
     print("| decode (1 query/request) | median ms | vs contiguous SDPA | min ms | MB moved | "
           "floor ms at measured BW | GB/s at min |")

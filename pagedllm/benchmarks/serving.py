@@ -5,7 +5,8 @@ offline-distribution workload (so no prompt repeats across rates and neither ser
 both servers see the same prompts and arrival times at a rate. The client streams /v1/completions with token-id
 prompts, ignore_eos and temperature 0, and records TTFT (first streamed token), inter-token latency (gaps between
 token chunks) and end-to-end latency per request. Reports p50/p99 of each, throughput, and the rate at which each
-system's p99 TTFT passes 2 s.
+system's p99 TTFT passes 2 s. With `--data-parallel-size N` it compares N Ray replicas with one engine of the
+same total threads on a prefix-heavy workload instead (see serving_dp.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.benchmarks import common
+from pagedllm.benchmarks import common, serving_dp
 
 TTFT_SLO_S = 2.0
 
@@ -144,6 +145,7 @@ class RequestRecord:
     e2e: float = float("nan")
     chunk_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if the server does not report it)
     error: str | None = None
 
     @property
@@ -178,6 +180,8 @@ async def _one(client, url: str, prompt: list[int], max_tokens: int, rec: Reques
                     rec.chunk_times.append(now - start)
                 if msg.get("usage"):
                     rec.output_tokens = int(msg["usage"].get("completion_tokens") or 0)
+                    rec.cached_tokens = int((msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                                            or 0)
         rec.e2e = time.perf_counter() - start
         rec.output_tokens = rec.output_tokens or chunks
     except Exception as e:  # one failed request is a data point, not the end of the run
@@ -236,6 +240,7 @@ def summarise(recs: list[RequestRecord], elapsed: float) -> dict:
     out = sum(r.output_tokens for r in ok)
     return {"completed": len(ok), "failed": len(recs) - len(ok), "elapsed_s": elapsed,
             "req_per_s": len(ok) / elapsed, "out_tok_per_s": out / elapsed,
+            "cached_frac": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
             "ttft_p50": common.pct(ttft, 50), "ttft_p99": common.pct(ttft, 99),
             "itl_p50": common.pct(itl, 50), "itl_p99": common.pct(itl, 99),
             "e2e_p50": common.pct(e2e, 50), "e2e_p99": common.pct(e2e, 99)}
@@ -252,6 +257,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots")
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: the embedded model)")
     p.add_argument("--server-args", default="", help="extra `pagedllm serve` arguments, space separated")
+    serving_dp.add_args(p)
 
 
 def _systems(args: argparse.Namespace) -> list[str]:
@@ -268,14 +274,21 @@ def measure(args: argparse.Namespace) -> dict:
     rates = args.rates or ([1.0, 4.0] if args.quick else [0.25, 0.5, 1.0, 2.0, 4.0])
     n = args.num_requests or (12 if args.quick else 200)
     max_out = min(args.max_output, 32) if args.quick else args.max_output
-    workloads = {rate: common.offline_workload(n, output_len=(min(16, max_out), max_out),
-                                               seed=args.seed + 1000 * (i + 1), model_path=args.model)
-                 for i, rate in enumerate(rates)}
+    dp = (args.data_parallel_size or 1) > 1
+    if dp:
+        workloads = serving_dp.workloads(args, rates, n, max_out)
+    else:
+        workloads = {rate: common.offline_workload(n, output_len=(min(16, max_out), max_out),
+                                                   seed=args.seed + 1000 * (i + 1), model_path=args.model)
+                     for i, rate in enumerate(rates)}
     arrivals = {rate: poisson_arrivals(n, rate, args.seed + i) for i, rate in enumerate(rates)}
     results: dict[str, list[dict]] = {}
     records: dict[str, dict[float, list[RequestRecord]]] = {}
-    for system in _systems(args):
-        if system == "pagedllm":
+    servers = serving_dp.systems(args, PagedllmServer) if dp else [(s, None) for s in _systems(args)]
+    for system, srv in servers:
+        if srv is not None:
+            pass
+        elif system == "pagedllm":
             srv = PagedllmServer(args.model, args.dtype, args.threads, args.server_args.split())
         elif system == "llama-server":
             ctx = max(len(p) + m for w in workloads.values() for p, m in zip(w.prompts, w.output_lens,
@@ -303,7 +316,7 @@ def measure(args: argparse.Namespace) -> dict:
     knee = {s: next((r["rate"] for r in rows if not r["ttft_p99"] <= TTFT_SLO_S), None)
             for s, rows in results.items()}
     cols = ["system", "rate", "completed", "req_per_s", "out_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50",
-            "itl_p99", "e2e_p50", "e2e_p99"]
+            "itl_p99", "e2e_p50", "e2e_p99", "cached_frac"]
     rows = [r for rs in results.values() for r in rs]
     print(common.table(rows, cols, title=f"serving: {n} requests per rate, Poisson arrivals (times in s)"))
     for s, k in knee.items():

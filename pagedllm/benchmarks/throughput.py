@@ -44,6 +44,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-kwargs", default=None, help='JSON of extra pagedllm LLM(...) args, e.g. {"block_size": 32}')
     p.add_argument("--peer-repeats", type=int, default=1, help="repeats for the peers (pagedllm uses --repeats)")
     p.add_argument("--in-process", action="store_true", help="run the systems in this process (tests)")
+    p.add_argument("--kernels", choices=["invariant", "current", "both"], default="invariant",
+                   help="pagedllm's kernels: batch-invariant (the default), the batch-dependent ones, or both in "
+                        "this run (an A/B: ratio invariant / current)")
 
 
 def _run_one(spec: str, wl_path: str, wl: common.Workload, args: argparse.Namespace) -> dict:
@@ -79,7 +82,34 @@ def _run_one(spec: str, wl_path: str, wl: common.Workload, args: argparse.Namesp
 
 def _label(r: dict) -> str:
     short = {"bfloat16": "bf16", "float32": "fp32"}.get(r.get("dtype", ""), r.get("dtype", ""))
-    return f"{r['system']} {short}".strip()
+    return f"{r['system']} {short} {r.get('kernels', '')}".strip()
+
+
+def _kernel_variants(specs: list[str], kernels: str) -> list[tuple[str, str | None]]:
+    """(spec, kernels) to run: pagedllm once per kernel set asked for (both: invariant, then current)."""
+    sets = ["invariant", "current"] if kernels == "both" else [kernels]
+    return [(s, k) for s in specs for k in (sets if s.startswith("pagedllm") else [None])]
+
+
+def _with_kernels(args: argparse.Namespace, kernels: str | None) -> argparse.Namespace:
+    if kernels is None:
+        return args
+    extra = json.loads(args.engine_kwargs) if args.engine_kwargs else {}
+    return argparse.Namespace(**{**vars(args), "engine_kwargs": json.dumps(
+        {**extra, "batch_invariant": kernels == "invariant"})})
+
+
+def _kernel_ratios(results: list[dict]) -> list[dict]:
+    """Output tok/s of the batch-invariant kernels over the current ones, per dtype (--kernels both)."""
+    out = []
+    for dtype in sorted({r.get("dtype") for r in results if r.get("kernels")}):
+        inv, cur = (next((r for r in results if r.get("kernels") == k and r.get("dtype") == dtype), None)
+                    for k in ("invariant", "current"))
+        if inv and cur:
+            ratio = inv["out_tok_per_s"] / cur["out_tok_per_s"]
+            out.append({"comparison": f"pagedllm {dtype}: invariant / current kernels", "ratio": ratio,
+                        "target": ">= 0.95", "met": ratio >= 0.95})
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -98,12 +128,13 @@ def measure(args: argparse.Namespace) -> dict:
         json.dump(wl.to_json(), f)
         wl_path = f.name
     try:
-        for spec in specs:
+        for spec, kernels in _kernel_variants(specs, args.kernels):
             reps = args.repeats if spec.startswith("pagedllm") else args.peer_repeats
             runs = []
+            run_args = _with_kernels(args, kernels)
             for _ in range(max(1, reps)):
                 try:
-                    runs.append(_run_one(spec, wl_path, wl, args))
+                    runs.append(_run_one(spec, wl_path, wl, run_args) | ({"kernels": kernels} if kernels else {}))
                 except Exception as e:  # a missing or broken peer is reported, the others still run
                     failures[spec] = f"{type(e).__name__}: {e}"
                     print(f"{spec}: {failures[spec]}", file=sys.stderr)
@@ -117,7 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
     finally:
         os.unlink(wl_path)
-    ratios = _ratios(results)
+    ratios = _ratios(results) + _kernel_ratios(results)
     for r in results:
         r["label"] = _label(r)
     ref = next((r for r in results if r["system"] == "pagedllm" and r.get("dtype") == args.dtype), None)

@@ -9,6 +9,10 @@ Bookkeeping kept per request (keyed by request_id):
   caching on they have been hashed and offered to the cache (block_hashes holds their hashes);
 - num_tokens: token slots the table has been asked to cover so far.
 
+Slot accounting: `used_slots` counts each physical block once, as the slots its holders have filled (a block
+shared by k requests holds the same tokens for all of them); `logical_slots` sums what every table covers, so
+`logical_slots - used_slots` is what sharing saves.
+
 Blocks are registered in the cache at allocation time: the worker writes all new K/V of a step before any
 attention reads, so a block cached in this step is safe to hit in this same step. The caller must therefore
 run every allocation it keeps; `free()` drops the hashes of registered blocks beyond
@@ -21,46 +25,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
-from pagedllm.core.kv_cache_utils import block_extra_keys, hash_block_tokens, hash_request_blocks
+from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers catch them from here)
+    ContextTooLongError,
+    DoubleFreeError,
+    InconsistentRequestError,
+    InvalidComputedBlocksError,
+    KVCacheManagerError,
+    NegativeTokenCountError,
+    RequestExistsError,
+    UnknownRequestError,
+)
+from pagedllm.core.kv_cache_utils import block_extra_keys, cdiv, hash_block_tokens, hash_request_blocks
 from pagedllm.core.request import Request
-
-
-class KVCacheManagerError(Exception):
-    """Base of the manager's errors. Every one is raised before any change: the pool is unchanged."""
-
-
-class UnknownRequestError(KVCacheManagerError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class DoubleFreeError(UnknownRequestError):
-    """free() of a request that was already freed."""
-
-
-class RequestExistsError(KVCacheManagerError, ValueError):
-    """fork() into a request id that already holds blocks."""
-
-
-class NegativeTokenCountError(KVCacheManagerError, ValueError):
-    pass
-
-
-class ContextTooLongError(KVCacheManagerError, ValueError):
-    """The contiguous layout cannot hold more than its max_model_len reservation."""
-
-
-class InvalidComputedBlocksError(KVCacheManagerError, ValueError):
-    """new_computed_blocks that do not match the request's prefix (stale lookup, wrong request...)."""
-
-
-class InconsistentRequestError(KVCacheManagerError, ValueError):
-    """request.num_computed_tokens does not fit the request's block table."""
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 _NO_BLOCKS: list[KVBlock] = []  # shared empty table; never mutated
 
@@ -93,12 +69,14 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self._blocks_per_reservation = _cdiv(max_model_len, block_size) if kv_layout == "contiguous" else 0
+        self._blocks_per_reservation = cdiv(max_model_len, block_size) if kv_layout == "contiguous" else 0
         self._requests: dict[str, _RequestBlocks] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
         # The hashes computed by the last get_computed_blocks, reused by the allocate_slots that follows.
         self._lookup_memo: tuple[Request, int, list[bytes]] | None = None
-        self._used_slots = 0
+        self._fill = [0] * num_blocks  # slots holding tokens, per physical block in use
+        self._used_slots = 0  # sum of _fill
+        self._logical_slots = 0  # sum of num_tokens over tables
         self.peak_used_blocks = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -162,7 +140,7 @@ class KVCacheManager:
         else:
             ncb, num_revived = _NO_BLOCKS, 0
         total = num_computed + len(ncb) * B + num_new_tokens
-        num_table_blocks = -(-total // B)
+        num_table_blocks = cdiv(total, B)
 
         # How many blocks this needs from the free queue (all checks before any change).
         if self.kv_layout == "contiguous":
@@ -198,25 +176,46 @@ class KVCacheManager:
         if cow_index:
             for i, dst in zip(cow_index, pool.get_new_blocks(len(cow_index)), strict=True):
                 src = state.blocks[i]
-                pool.free_blocks((src,))  # ref_cnt > 1: stays in use by the others
+                self._release((src,))  # ref_cnt > 1: stays in use by the others
                 state.blocks[i] = dst
                 copies.append((src.block_id, dst.block_id))
         if num_new_blocks:
             state.blocks.extend(pool.get_new_blocks(num_new_blocks))
         if total > state.num_tokens:
-            self._used_slots += total - state.num_tokens
+            self._logical_slots += total - state.num_tokens
             state.num_tokens = total
+        self._cover(state, num_computed // B)
         if min(total, len(request.all_token_ids)) // B > state.num_full_blocks:
             self._register_full_blocks(request, state, total, known_hashes)
-        if first_allocation and self.enable_prefix_caching:
-            num_tokens = request.num_tokens
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += len(ncb) * B
-            self.prefix_cache_block_queries += max(0, (num_tokens - 1) // B)
-            self.prefix_cache_block_hits += len(ncb)
+        if first_allocation and self.enable_prefix_caching and request.num_preemptions == 0:
+            num_prompt = request.num_prompt_tokens  # counted once per request, like vLLM: prompt tokens
+            self.prefix_cache_queries += num_prompt
+            self.prefix_cache_hits += min(len(ncb) * B, num_prompt)
+            self.prefix_cache_block_queries += max(0, (num_prompt - 1) // B)
+            self.prefix_cache_block_hits += min(len(ncb), max(0, (num_prompt - 1) // B))
         if needed:
             self._update_peak()
         return copies
+
+    def _cover(self, state: _RequestBlocks, first_block: int) -> None:
+        """Raise the fill of the table's blocks from first_block on to what the table now covers."""
+        B, fill, blocks = self.block_size, self._fill, state.blocks
+        for i in range(first_block, min(len(blocks), cdiv(state.num_tokens, B))):
+            n = min(B, state.num_tokens - i * B)
+            bid = blocks[i].block_id
+            if n > fill[bid]:
+                self._used_slots += n - fill[bid]
+                fill[bid] = n
+
+    def _release(self, blocks) -> None:
+        """Ref counts down (in the order given); a block nobody holds any more holds no used slots."""
+        blocks = list(blocks)
+        self.block_pool.free_blocks(blocks)
+        fill = self._fill
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self._used_slots -= fill[b.block_id]
+                fill[b.block_id] = 0
 
     def _memo_hashes(self, request: Request) -> list[bytes]:
         memo = self._lookup_memo
@@ -282,7 +281,7 @@ class KVCacheManager:
         self._requests[child.request_id] = _RequestBlocks(
             list(ps.blocks), list(ps.block_hashes), ps.num_full_blocks, ps.num_tokens, ps.num_hit_blocks)
         self._freed.pop(child.request_id, None)
-        self._used_slots += ps.num_tokens
+        self._logical_slots += ps.num_tokens
 
     def free(self, request: Request) -> None:
         """Ref counts down, tail blocks first, so that the LRU queue evicts a request's tail first.
@@ -291,9 +290,9 @@ class KVCacheManager:
         state = self._requests.get(rid)
         if state is None:
             raise self._unknown(rid, "free")
-        self.block_pool.free_blocks(reversed(state.blocks))
+        self._release(reversed(state.blocks))
         del self._requests[rid]
-        self._used_slots -= state.num_tokens
+        self._logical_slots -= state.num_tokens
         self._freed[rid] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
@@ -304,6 +303,42 @@ class KVCacheManager:
         for b in state.blocks[start:state.num_full_blocks]:
             if b.ref_cnt == 0 and b.block_hash is not None:
                 self.block_pool.evict_cached_block(b)
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Roll the table back to cover num_tokens tokens (speculative decoding: drop rejected draft tokens).
+        Blocks past the new end go back to the pool; a partly filled last block keeps only its first slots.
+        Draft tokens are never in request.all_token_ids at allocation, so no dropped block was hashed."""
+        rid = request.request_id
+        state = self._requests.get(rid)
+        if state is None:
+            raise self._unknown(rid, "truncate")
+        if num_tokens < 0:
+            raise NegativeTokenCountError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens >= state.num_tokens:
+            return
+        B = self.block_size
+        keep = cdiv(num_tokens, B)
+        if self.kv_layout == "paged" and keep < len(state.blocks):
+            dropped = state.blocks[keep:]
+            del state.blocks[keep:]
+            if state.num_full_blocks > keep:  # cannot happen for draft tokens; keep the bookkeeping exact
+                for b in dropped[:state.num_full_blocks - keep]:
+                    if b.ref_cnt == 1:
+                        self.block_pool.evict_cached_block(b)
+                state.num_full_blocks = keep
+                del state.block_hashes[keep:]
+            self._release(reversed(dropped))
+        self._logical_slots -= state.num_tokens - num_tokens
+        state.num_tokens = num_tokens
+        if num_tokens % B and keep <= len(state.blocks):
+            last = state.blocks[keep - 1]
+            if last.ref_cnt == 1 and self._fill[last.block_id] > num_tokens % B:
+                self._used_slots -= self._fill[last.block_id] - num_tokens % B
+                self._fill[last.block_id] = num_tokens % B
+        for b in state.blocks[keep:]:  # contiguous reservations: blocks past the end hold nothing now
+            if self._fill[b.block_id]:
+                self._used_slots -= self._fill[b.block_id]
+                self._fill[b.block_id] = 0
 
     def _unknown(self, rid: str, action: str) -> UnknownRequestError:
         if rid in self._freed:
@@ -331,18 +366,19 @@ class KVCacheManager:
         return self.num_used_blocks() / self.block_pool.num_blocks
 
     def stats(self) -> dict:
-        """used_slots: sum over live requests of the token slots their tables were asked to cover
-        (num_computed_tokens + tokens allocated this step); a block shared by k requests counts k times,
-        so used_slots can exceed allocated_slots under sharing. allocated_slots: blocks in use x B.
-        Prefix stats count each admission (first allocation, again after a preemption): queries in
-        tokens = the request's tokens, hits = cached tokens; block queries = full blocks a lookup could
-        hit ((num_tokens - 1) // B), block hits = cached blocks."""
+        """used_slots: token slots holding a token (num_computed_tokens + tokens allocated this step) in the
+        blocks in use, each physical block counted once (<= allocated_slots = blocks in use x B).
+        logical_slots: the same summed over block tables (a block shared by k requests counts k times).
+        Prefix stats count each request once, at its first admission (not again after a preemption), in
+        prompt tokens: queries = prompt tokens, hits = prompt tokens served from the cache; block queries =
+        full prompt blocks a lookup could hit ((num_prompt_tokens - 1) // B), block hits = cached blocks."""
         used_blocks = self.num_used_blocks()
         return {
             "num_blocks": self.block_pool.num_blocks,
             "num_free_blocks": self.block_pool.num_free_blocks(),
             "block_size": self.block_size,
             "used_slots": self._used_slots,
+            "logical_slots": self._logical_slots,
             "allocated_slots": used_blocks * self.block_size,
             "peak_used_blocks": self.peak_used_blocks,
             "prefix_cache_queries": self.prefix_cache_queries,
@@ -357,6 +393,14 @@ class KVCacheManager:
         """Forget all cached blocks; only possible when no block is in use."""
         self._lookup_memo = None
         return self.block_pool.reset_prefix_cache()
+
+    @property
+    def used_slots(self) -> int:
+        return self._used_slots
+
+    def reset_peak(self) -> None:
+        """Start a new peak-blocks measurement from the blocks in use now."""
+        self.peak_used_blocks = self.num_used_blocks()
 
     def _update_peak(self) -> None:
         used = self.num_used_blocks()

@@ -18,6 +18,11 @@ _HAS_PARENT = b"\x01"
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks of b slots needed for a tokens."""
+    return -(-a // b)
+
+
 def _encode_key(key: object) -> bytes:
     """Tagged, length-prefixed encoding so that distinct keys never serialise alike."""
     if key is None:

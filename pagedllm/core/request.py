@@ -1,4 +1,7 @@
-"""The scheduler's view of one sequence: token ids and progress, no tensors."""
+"""The scheduler's unit of work: one token sequence, its progress and its draft tokens. No tensors.
+
+A user request with n > 1 samples (or a beam search) is several of these: the engine forks one core Request per
+sample or beam, each with its own block table (shared blocks are ref-counted)."""
 
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence. `all_token_ids` = prompt + generated tokens; the first
-    `num_computed_tokens` of them have their K/V in the cache."""
+    """One sequence. `all_token_ids` = prompt + generated tokens; the first `num_computed_tokens` of them have
+    their K/V in the cache. `spec_token_ids` are proposed (unverified) next tokens: the scheduler runs them
+    through the model after the sequence's last token, and `Scheduler.accept_draft_tokens` keeps the K/V of the
+    ones the sampler accepted and releases the slots of the rest."""
 
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int = 16
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -37,6 +41,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

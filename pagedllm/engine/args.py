@@ -7,6 +7,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from pagedllm.dtypes import DTYPES
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
@@ -35,12 +37,15 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     kv_layout: str = "paged"
     attention_backend: str = "auto"
+    # every kernel computes a row the same way whatever the batch: tokens do not depend on batching, chunking,
+    # the prefix cache or preemption (README: what turning it off trades)
+    batch_invariant: bool = False
     seed: int = 0
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (see pagedllm/structured/)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "auto"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {self.dtype!r}")
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -55,7 +60,7 @@ class EngineArgs:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
-        g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "auto"])
+        g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
         g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -66,6 +71,8 @@ class EngineArgs:
         g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"])
         g.add_argument("--attention-backend", default=d.attention_backend)
+        g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
+                       help="outputs independent of batching, chunking and the prefix cache (default: on)")
         g.add_argument("--seed", type=int, default=d.seed)
 
     @classmethod

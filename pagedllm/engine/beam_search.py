@@ -41,6 +41,7 @@ class _Beam:
 class _Group:
     prompt_token_ids: list[int]
     beams: list[_Beam]
+    max_tokens: int
     finished: list[tuple[float, float, list[int]]] = field(default_factory=list)  # (score, cum_lp, tokens)
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # id(request) -> logprobs [V]
     done: bool = False
@@ -57,11 +58,10 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
     group_of: dict[int, _Group] = {}
     for prompt in prompts:
         toks = engine.tokenize(prompt)
-        sched.check_fits(len(toks))
-        max_tokens = min(params.max_tokens, engine.max_model_len - len(toks))
-        req = Request(f"beam-{next(ids)}", toks, max_tokens)
+        max_tokens = sched.check_fits(len(toks), params.max_tokens)
+        req = Request(f"beam-{next(ids)}", toks)
         sched.add_request(req)
-        g = _Group(toks, [_Beam(req, 0.0)])
+        g = _Group(toks, [_Beam(req, 0.0)], max_tokens)
         groups.append(g)
         group_of[id(req)] = g
 
@@ -75,10 +75,10 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
             out = sched.schedule()
             if out.is_empty:
                 raise RuntimeError("beam search cannot make progress: KV cache too small for the beams")
-            ready, logits = engine.run_model(out)
+            sampling, logits = engine.run_model(out)
             logprobs = logits.float().log_softmax(-1)
-            for row, req in ready:
-                group_of[id(req)].pending[id(req)] = logprobs[row]
+            for row, s in enumerate(sampling):  # beams carry no draft tokens: one logits row each
+                group_of[id(s.request)].pending[id(s.request)] = logprobs[row]
             for g in groups:
                 if g.done or len(g.pending) < len(g.beams):
                     continue  # wait until every live beam of this request has its next-token logits
@@ -99,7 +99,7 @@ def _advance(g: _Group, width: int, lp_pen: float, eos: set[int], engine, group_
     scores = lps + torch.tensor([b.score for b in g.beams])[:, None]
     top_scores, top_idx = scores.flatten().topk(min(2 * width, scores.numel()))
     gen_len = g.beams[0].request.num_output_tokens + 1  # generated length including the new token
-    max_tokens = g.beams[0].request.max_tokens
+    max_tokens = g.max_tokens
     chosen: list[tuple[_Beam, int, float]] = []
     for rank, (s, idx) in enumerate(zip(top_scores.tolist(), top_idx.tolist(), strict=True)):
         beam, token = g.beams[idx // vocab], idx % vocab
@@ -116,7 +116,7 @@ def _advance(g: _Group, width: int, lp_pen: float, eos: set[int], engine, group_
             keep(g, s / gen_len**lp_pen, s, beam.request.output_token_ids + [token])
     best_live = max((s for _, _, s in chosen), default=float("-inf")) / gen_len**lp_pen
     done = at_limit or not chosen or (len(g.finished) == width and g.finished[-1][0] >= best_live)
-    sched, kv = engine.scheduler, engine.kv
+    sched = engine.scheduler
     if done:
         sched.finish_requests([b.request for b in g.beams], RequestStatus.FINISHED_STOPPED)
         g.beams, g.done = [], True
@@ -127,11 +127,8 @@ def _advance(g: _Group, width: int, lp_pen: float, eos: set[int], engine, group_
     for beam, token, s in chosen:
         req = beam.request
         if id(req) in used:
-            child = Request(f"beam-{next(ids)}", req.prompt_token_ids, req.max_tokens,
-                            output_token_ids=list(req.output_token_ids))
-            child.num_computed_tokens = req.num_computed_tokens
-            kv.fork(req, child)
-            sched.add_running(child, after=req)
+            child = Request(f"beam-{next(ids)}", req.prompt_token_ids, output_token_ids=list(req.output_token_ids))
+            sched.fork(req, child)
             group_of[id(child)] = g
             req = child
         used.add(id(beam.request))

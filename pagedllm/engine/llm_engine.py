@@ -5,78 +5,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.request import RequestStatus
+from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.output_processor import OutputProcessor, RequestState, SamplingPlan
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.gate import GrammarGate
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
+from pagedllm.worker.sampler import Sampler, TokenBitmask
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One of the n outputs of a request: its scheduler-side Request plus text and logprobs."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    logprobs: list[dict[int, Logprob]] | None = None  # only when the request asked for logprobs
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    matcher: Any = None  # structured outputs: this sample's grammar matcher
-
-    def output(self) -> CompletionOutput:
-        cumulative = self.cumulative_logprob if self.logprobs is not None else None
-        return CompletionOutput(self.index, self.detokenizer.text, list(self.request.output_token_ids),
-                                cumulative, self.logprobs, self.finish_reason,
-                                self.stop_reason)
-
-
-@dataclass(eq=False)
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    seqs: list[Sequence] = field(default_factory=list)
-    forked: bool = False  # n > 1: the other samples fork from the first once the prompt is prefilled
-    error: str | None = None
-    grammar: Future | None = None  # structured outputs: the compiled grammar
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.finish_reason for s in self.seqs)
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.output() for s in self.seqs], self.finished,
-                             self.seqs[0].request.num_cached_tokens, self.error)
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        dtype = resolve_dtype(args.dtype)
         loaded = load_model(args.model, dtype)
         self.args = args
         self.model_config = loaded.config
@@ -87,22 +41,21 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
 
         num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, args.block_size, _DTYPES[dtype], parse_bytes(args.kv_cache_memory))
+            self.model_config, args.block_size, dtype, parse_bytes(args.kv_cache_memory))
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_layout=args.kv_layout, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  _DTYPES[dtype], args.attention_backend)
+                                  dtype, args.attention_backend, args.batch_invariant)
         self.sampler = Sampler(args.seed)
-        self.requests: dict[str, RequestState] = {}
-        self._seq_of: dict[int, Sequence] = {}  # id(Request) -> Sequence
-        self._state_of: dict[int, RequestState] = {}  # id(Request) -> RequestState
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
+                                                self.max_model_len)
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
         self._structured = None  # StructuredOutputManager, made on the first constrained request
-        self._grammar_gate = GrammarGate()
+        self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
-                    time.perf_counter() - t0, self.model_name, dtype, num_blocks, args.block_size,
+                    time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."), num_blocks, args.block_size,
                     num_blocks * args.block_size)
 
     @classmethod
@@ -136,24 +89,20 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
         ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(ids))
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens)
+        max_tokens = self.scheduler.check_fits(len(ids), params.max_tokens)
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens,
+                             cache_salt)
         if params.structured_outputs is not None:
             state.grammar = self.structured_outputs.submit(params.structured_outputs)
             if state.grammar.done() and state.grammar.exception() is not None:
-                raise state.grammar.exception()  # a cached compile error: a GrammarError (ValueError)
-        req = Request(request_id, ids, max_tokens, cache_salt)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        self._add_sequence(state, req, 0)
+                raise state.grammar.exception()  # a cached compile error: a GrammarError (a ValueError)
+        req = self.output_processor.add_request(state, arrival_time)
         if state.grammar is not None and not state.grammar.done():
             self._grammar_gate.hold(state.grammar, (state, req))
         else:
             self.scheduler.add_request(req)
-        self.requests[request_id] = state
 
+    # ---- structured outputs ----------------------------------------------------------------------
     @property
     def structured_outputs(self):
         """The StructuredOutputManager (compile thread, grammar cache), made on first use."""
@@ -171,167 +120,100 @@ class LLMEngine:
             self._grammar_gate.wait(0.01)  # nothing else to do: do not spin on the compile
         failed = []
         for (state, req), err in self._grammar_gate.release():
+            if state.request_id not in self.requests:
+                continue  # aborted while compiling
             if err is None:
                 self.scheduler.add_request(req)
-                continue
-            state.error = str(err)
-            for s in state.seqs:
-                s.finish_reason = "abort"
-            self.requests.pop(state.request_id, None)
-            self._seq_of.pop(id(req), None)
-            self._state_of.pop(id(req), None)
-            failed.append(state.output())
+            else:
+                failed.append(self.output_processor.abort(state.request_id, str(err)).output())
         return failed
 
-    def _add_sequence(self, state: RequestState, req: Request, index: int) -> Sequence:
-        p = state.params
-        gen = None if p.seed is None else torch.Generator().manual_seed(p.seed + index)
-        seq = Sequence(req, index, IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop,
-                                                          p.skip_special_tokens),
-                       gen, [] if p.logprobs is not None else None)
-        state.seqs.append(seq)
-        self._seq_of[id(req)] = seq
-        self._state_of[id(req)] = state
-        return seq
+    def _token_bitmask(self, plan: SamplingPlan) -> TokenBitmask | None:
+        """The tokens each constrained row may take next (unconstrained rows are not in it); a sample with draft
+        tokens gets one row per draft prefix, its matcher walked along the drafts and back."""
+        rows, walks, row = [], [], 0
+        for state, sample, drafts in plan.samples:
+            if state.grammar is not None:
+                if sample.matcher is None:  # each sample (n > 1) walks the grammar with its own matcher
+                    sample.matcher = self.structured_outputs.matcher(state.grammar.result())
+                rows.extend(range(row, row + len(drafts) + 1))
+                walks.append((sample.matcher, drafts))
+            row += len(drafts) + 1
+        return TokenBitmask(rows, self.structured_outputs.bitmask(walks)) if rows else None
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.output_processor.requests
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            state = self.requests.pop(rid, None)
-            if state is None:
-                continue
-            for seq in state.seqs:
-                if not seq.finish_reason:
-                    seq.finish_reason = "abort"
-            if self._grammar_gate.drop((state, state.seqs[0].request)):  # never reached the scheduler
-                self._seq_of.pop(id(state.seqs[0].request), None)
-                self._state_of.pop(id(state.seqs[0].request), None)
-                continue
-            self._release(state, RequestStatus.FINISHED_ABORTED)
-
-    def _release(self, state: RequestState, status: RequestStatus) -> None:
-        reqs = [s.request for s in state.seqs if not s.request.status.is_finished]
-        self.scheduler.finish_requests(reqs, status)
-        for s in state.seqs:
-            self._seq_of.pop(id(s.request), None)
-            self._state_of.pop(id(s.request), None)
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self.output_processor.abort(rid)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled() if len(self._grammar_gate) else []
+        failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return failed
-        kv = self.kv.stats()
-        self._slot_samples[0] += kv["used_slots"]
-        self._slot_samples[1] += kv["allocated_slots"]
-        ready, logits = self.run_model(out)
-        touched: dict[int, RequestState] = {}
-        rows: list[SamplingRow] = []
-        row_seqs: list[Sequence] = []
-        row_logit: list[int] = []
-        for i, req in ready:
-            state = self._state_of[id(req)]
-            touched[id(state)] = state
-            seqs = [self._seq_of[id(req)]]
-            if state.params.n > 1 and not state.forked:
-                seqs += self._fork_samples(state, req)
-            for seq in seqs:
-                rows.append(SamplingRow(state.params, state.prompt_token_ids, seq.request.output_token_ids,
-                                        seq.generator))
-                row_seqs.append(seq)
-                row_logit.append(i)
-        if rows:
-            identity = row_logit == list(range(len(logits)))  # no forks this step: skip a [rows, vocab] copy
-            sampled = self.sampler(logits if identity else logits[row_logit], rows, self._token_bitmask(row_seqs))
-            for j, seq in enumerate(row_seqs):
-                state = self._state_of[id(seq.request)]
-                try:
-                    self._append_token(state, seq, sampled, j)
-                except Exception as e:  # one request's failure must not stop the others
-                    logger.exception("request %s failed", state.request_id)
-                    state.error = f"{type(e).__name__}: {e}"
-                    for s in state.seqs:
-                        s.finish_reason = s.finish_reason or "abort"
-        outputs = failed
-        for state in touched.values():
-            if state.error or state.finished:
-                self.requests.pop(state.request_id, None)
-                self._release(state, RequestStatus.FINISHED_STOPPED)
-            outputs.append(state.output())
+            return failed_grammars
+        self._slot_samples[0] += self.kv.used_slots
+        self._slot_samples[1] += self.kv.num_used_blocks() * self.kv.block_size
+        logits, failed = self._execute_isolating_faults(out)
+        outputs = failed_grammars + [state.output() for state in failed]
+        sampling = self.scheduler.update_after_step(out)
+        plan = self.output_processor.plan(sampling)
+        if plan.rows:
+            identity = plan.logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy
+            sampled = self.sampler(logits if identity else logits[plan.logit_rows], plan.rows,
+                                   self._token_bitmask(plan))
+            outputs += self.output_processor.process(plan, sampled)
         return outputs
 
-    def run_model(self, out: SchedulerOutput) -> tuple[list[tuple[int, Request]], torch.Tensor]:
-        """Run the model on a scheduled batch. Returns (logits row, request) for the requests whose last token now
-        has logits, and those logits [rows, vocab]."""
-        scheduled = out.scheduled
+    def run_model(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Run the model on a scheduled batch and advance the scheduler. Returns the entries that sample, in
+        the order of their logits rows, and those logits [rows, vocab]."""
+        logits = self._run(out.scheduled, out.block_copies)
+        return self.scheduler.update_after_step(out), logits
+
+    def _run(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         block_tables = [self.kv.get_block_ids(s.request) for s in scheduled]
-        sample_rows = [i for i, s in enumerate(scheduled)
-                       if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
-        logits = self.runner.execute(scheduled, block_tables, out.block_copies, sample_rows)
-        self.scheduler.update_after_step(out)
-        return [(row, scheduled[i].request) for row, i in enumerate(sample_rows)], logits
+        return self.runner.execute(scheduled, block_tables, block_copies)
 
-    def _token_bitmask(self, seqs: list[Sequence]) -> TokenBitmask | None:
-        """The tokens each constrained sample may take next (unconstrained rows are not in it)."""
-        rows, matchers = [], []
-        for j, seq in enumerate(seqs):
-            state = self._state_of[id(seq.request)]
-            if state.grammar is None:
-                continue
-            if seq.matcher is None:  # each sample (n > 1) walks the grammar with its own matcher
-                seq.matcher = self.structured_outputs.matcher(state.grammar.result())
-            rows.append(j)
-            matchers.append(seq.matcher)
-        return TokenBitmask(rows, self.structured_outputs.bitmask(matchers)) if rows else None
+    def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
+        """Run the step; if it fails, rerun its requests in halves (K/V writes are idempotent: same tokens,
+        same slots) until each failing request runs alone, so only the requests that fail by themselves fail.
+        Returns the logits of the surviving sampling rows and the failed requests (aborted, blocks freed)."""
+        try:
+            return self._run(out.scheduled, out.block_copies), []
+        except Exception:
+            logger.exception("model step of %d requests failed; retrying them in smaller groups", len(out.scheduled))
+        rows: dict[int, torch.Tensor] = {}  # id(entry) -> its logits rows
+        failed: dict[str, str] = {}
 
-    def _fork_samples(self, state: RequestState, parent: Request) -> list[Sequence]:
-        """n > 1: the other samples share the prefilled prompt's blocks (copy-on-write later)."""
-        state.forked = True
-        children = []
-        for index in range(1, state.params.n):
-            child = Request(f"{state.request_id}#{index}", state.prompt_token_ids, state.max_tokens,
-                            parent.cache_salt, parent.arrival_time)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            self.kv.fork(parent, child)
-            self.scheduler.add_running(child, after=parent)
-            children.append(self._add_sequence(state, child, index))
-        return children
+        def run(group: list[ScheduledRequest]) -> None:
+            try:
+                logits = self._run(group, out.block_copies).clone()
+            except Exception as e:
+                if len(group) > 1:
+                    run(group[:len(group) // 2])
+                    run(group[len(group) // 2:])
+                    return
+                logger.exception("request %s fails the model step alone", group[0].request.request_id)
+                found = self.output_processor.sample_of(group[0].request)
+                if found is not None:
+                    failed[found[0].request_id] = f"model step failed: {type(e).__name__}: {e}"
+                return
+            offset = 0
+            for s in group:
+                rows[id(s)] = logits[offset:offset + s.num_logits]
+                offset += s.num_logits
 
-    def _append_token(self, state: RequestState, seq: Sequence, sampled, j: int) -> None:
-        token = sampled.token_ids[j]
-        req = seq.request
-        req.append_output_token(token)
-        if seq.matcher is not None and not seq.matcher.accept(token):
-            raise RuntimeError(f"structured outputs: the grammar rejected token {token} (an empty mask?)")
-        if seq.logprobs is not None:
-            seq.cumulative_logprob += sampled.logprobs[j]
-            entry = {token: Logprob(sampled.logprobs[j], sampled.ranks[j], self._decode_one(token))}
-            k = state.params.logprobs or 0
-            if k:
-                for rank, (tid, lp) in enumerate(zip(sampled.top_ids[j][:k], sampled.top_logprobs[j][:k],
-                                                     strict=True), start=1):
-                    entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
-            seq.logprobs.append(entry)
-        p = state.params
-        if token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif (stop := seq.detokenizer.add_token(token)) is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif seq.matcher is not None and seq.matcher.is_terminated():
-            seq.finish_reason = "stop"  # the grammar is complete (its stop token was taken or ignore_eos is set)
-        elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason:
-            status = (RequestStatus.FINISHED_LENGTH if seq.finish_reason == "length"
-                      else RequestStatus.FINISHED_STOPPED)
-            self.scheduler.finish_requests([req], status)
-
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        run(out.scheduled)
+        # Before update_after_step: a failed request's entries are skipped from now on.
+        states = [self.output_processor.abort(rid, error) for rid, error in failed.items()]
+        kept = [rows[id(s)] for s in out.scheduled if s.samples and id(s) in rows and s.request.status ==
+                RequestStatus.RUNNING]
+        logits = torch.cat(kept) if kept else torch.empty(0, self.runner.vocab_size)
+        return logits, [st for st in states if st is not None]
 
     # ---- introspection ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -342,6 +224,12 @@ class LLMEngine:
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def reset_stats(self) -> None:
+        """Start new measurements: the peak of used blocks (from the blocks in use now) and the mean slot
+        utilisation. Counters (prefix cache, preemptions) keep counting: take differences of those."""
+        self.kv.reset_peak()
+        self._slot_samples = [0, 0]
 
     def kv_cache_stats(self) -> dict:
         stats = dict(self.kv.stats())

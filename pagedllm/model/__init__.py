@@ -1,4 +1,4 @@
-"""Llama-family models over the paged KV cache, and their loaders."""
+"""Decoder models over the paged KV cache (architectures in registry.py), and their loaders."""
 
 from pagedllm.model.config import ModelConfig, UnsupportedModelError, check_token_ids
 from pagedllm.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget

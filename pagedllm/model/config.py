@@ -7,25 +7,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.model import registry
+from pagedllm.model.registry import UnsupportedModelError
+
 logger = logging.getLogger(__name__)
 
-# HF architectures name -> our family tag. All are the same decoder with small switches.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors")  # freq_factors: GGUF rope_freqs
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is valid but uses an architecture or feature pagedllm does not implement."""
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # a registry name: "llama" | "mistral" | "qwen2" | "qwen3"
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -41,7 +33,7 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v (Qwen2, Llama with attention_bias)
     o_bias: bool = False  # bias on the output projection (Llama with attention_bias)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3)
-    sliding_window: int | None = None  # recorded only; attention here is always full
+    sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
@@ -53,6 +45,16 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported; supported: "
                                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    def features(self) -> set[str]:
+        """The optional features this checkpoint uses (registry names), checked against its architecture's."""
+        used = {registry.QKV_BIAS: self.qkv_bias, registry.O_BIAS: self.o_bias, registry.QK_NORM: self.qk_norm,
+                registry.TIED_EMBEDDINGS: self.tie_word_embeddings,
+                registry.ROPE_SCALING: self.rope_scaling is not None,
+                # a window no context can exceed changes nothing
+                registry.SLIDING_WINDOW: (self.sliding_window or self.max_position_embeddings)
+                < self.max_position_embeddings}
+        return {name for name, on in used.items() if on}
 
     @property
     def q_size(self) -> int:
@@ -81,15 +83,7 @@ def _eos_list(value: Any) -> list[int]:
 
 def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
-    archs = cfg.get("architectures") or []
-    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        mt = cfg.get("model_type")
-        arch = mt if mt in SUPPORTED_ARCHITECTURES.values() else None
-    if arch is None:
-        raise UnsupportedModelError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    spec = registry.spec_for_hf(cfg.get("architectures") or [], cfg.get("model_type"))
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     # transformers 5 puts theta and scaling in rope_parameters; 4.x uses rope_theta + rope_scaling
@@ -101,17 +95,17 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
     sliding = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if spec.window_switch and not cfg.get(spec.window_switch, False):
         sliding = None
     eos = _eos_list((generation_config or {}).get("eos_token_id")) or _eos_list(cfg.get("eos_token_id"))
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    if sliding and int(sliding) < max_pos:
+    if sliding and int(sliding) < max_pos and registry.SLIDING_WINDOW not in spec.supports:
         # attention here is always full: it equals sliding-window attention only while contexts fit the window
         logger.warning("sliding_window=%d is not implemented; capping the context at %d tokens to stay exact",
                        int(sliding), int(sliding))
         max_pos = int(sliding)
-    return ModelConfig(
-        architecture=arch,
+    config = ModelConfig(
+        architecture=spec.name,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
@@ -124,10 +118,12 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        qkv_bias=spec.always_qkv_bias or bool(cfg.get("attention_bias", False)),
+        o_bias=not spec.always_qkv_bias and bool(cfg.get("attention_bias", False)),
+        qk_norm=spec.always_qk_norm,
         sliding_window=int(sliding) if sliding else None,
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
     )
+    spec.check_features(config.features())
+    return config

@@ -12,12 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig, UnsupportedModelError
-
-# GGUF architecture -> our family tag (Mistral 7B files use "llama")
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-# llama.cpp's converter permutes Q/K rows for these (interleaved rope pairs); Qwen files are left as HF wrote them
-_PERMUTED_ARCHS = {"llama", "mistral"}
 
 # ggml type id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -177,9 +173,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def config_from_gguf(f: GGUFFile) -> ModelConfig:
     m = f.metadata
     arch = f.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: "
-                                    f"{', '.join(GGUF_ARCHITECTURES)}")
+    spec = registry.spec_for_gguf(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return m.get(f"{arch}.{key}", default)
@@ -209,8 +203,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     elif get("rope.scaling.type") not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
     eos = [m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in m]
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+    config = ModelConfig(
+        architecture=spec.name,
         num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=ffn,
@@ -228,43 +222,21 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
         bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
     )
+    spec.check_features(config.features())
+    return config
 
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
+# llama.cpp's converter interleaved the rope pairs of these rows (for architectures with gguf_permuted_qk)
+_PERMUTED_Q, _PERMUTED_K = ".attn_q.weight", ".attn_k.weight"
 
 
 def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, dequantised tensor) pairs; Q/K rows un-permuted for llama-arch files."""
-    permuted = f.architecture in _PERMUTED_ARCHS
-    for gname, info in f.tensors.items():
-        if gname == "rope_freqs.weight":
-            continue  # folded into the config
-        name = hf_name(gname)
-        if name is None:
-            raise UnsupportedModelError(f"unexpected tensor {gname!r} in {f.path}")
+    """(GGUF name, dequantised tensor) pairs, Q/K rows back in the HF (rotate-half) order."""
+    permuted = registry.spec(cfg.architecture).gguf_permuted_qk
+    for name, info in f.tensors.items():
         w = dequantize(f, info)
-        if permuted and ".q_proj." in name:
+        if permuted and name.endswith(_PERMUTED_Q):
             w = _unpermute(w, cfg.num_heads)
-        elif permuted and ".k_proj." in name:
+        elif permuted and name.endswith(_PERMUTED_K):
             w = _unpermute(w, cfg.num_kv_heads)
         yield name, w

@@ -1,4 +1,4 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, SwiGLU. Written to match transformers'
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, the bf16 linear. Written to match transformers'
 arithmetic (norms in float32, cos/sin computed in float32 then cast) so float32 logits agree to ~1e-6."""
 
 from __future__ import annotations
@@ -10,26 +10,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_BATCH_ROWS = 4  # up to this many rows, bf16 linears use the small-GEMM kernel (decoder_layer.cpp: the same)
-_has_bf16_kernels: bool | None = None  # whether the extension built its avx512_bf16 small GEMM; None = not asked yet
+_small_gemm_rows: int | None = None  # rows up to which the small GEMM runs (0: not built); None = not asked yet
+
+
+def small_batch_rows() -> int:
+    """Up to this many rows, bf16 linears use the small-GEMM kernel (the limit is defined in C++, where the fused
+    layer applies the same one); 0 where the extension lacks the avx512_bf16 small GEMM."""
+    from pagedllm.kernels import small_gemm_max_rows  # at call time: loading a model builds no kernel
+
+    global _small_gemm_rows
+    if _small_gemm_rows is None:
+        _small_gemm_rows = small_gemm_max_rows()
+    return _small_gemm_rows
 
 
 def bf16_kernel_op(name: str) -> Any:
     """The extension's op `name` where it has the avx512_bf16 small GEMM (which the bf16 decode ops build on),
     else None: the model keeps its torch path there."""
-    from pagedllm.attention.cpu_kernel import kernel_op  # at call time: loading a model builds no kernel
+    from pagedllm.kernels import kernel_op
 
-    global _has_bf16_kernels
-    if _has_bf16_kernels is None:
-        available = kernel_op("small_gemm_available")
-        _has_bf16_kernels = available is not None and bool(available())
-    return kernel_op(name) if _has_bf16_kernels else None
+    return kernel_op(name) if small_batch_rows() > 0 else None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for decode-sized bf16 batches, where oneDNN reads the weights at a fraction of the
-    memory bandwidth: there a kernel that streams each weight row once is 1.5-2.5x faster."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+    """F.linear, except: in batch-invariant mode (kernels.batch_invariant()) a GEMM whose rows do not depend on
+    the batch (oneDNN's do); else for decode-sized bf16 batches, where oneDNN reads the weights at a fraction of
+    the memory bandwidth, a kernel that streams each weight row once."""
+    from pagedllm.kernels import batch_invariant, kernel_op
+
+    if batch_invariant() and x.dim() == 2 and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        gemm = kernel_op("gemm_invariant")
+        if gemm is not None:
+            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+            gemm(out, x.contiguous(), w.contiguous())
+            return out if bias is None else out + bias
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= small_batch_rows():
         gemm = bf16_kernel_op("small_gemm_bf16")
         if gemm is not None:
             out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
@@ -94,17 +109,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] weight."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
-        super().__init__()
-        self.intermediate = intermediate
-        self.gate_up = frozen_param(2 * intermediate, hidden, dtype=dtype)
-        self.down = frozen_param(hidden, intermediate, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = linear(x, self.gate_up)
-        return linear(F.silu(gu[:, :self.intermediate]) * gu[:, self.intermediate:], self.down)

@@ -17,18 +17,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from pagedllm.dtypes import resolve_dtype
+from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig, check_token_ids
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.weight_loading import load_weights
+from pagedllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: nn.Module  # the registry's model class for the architecture
     config: ModelConfig
     tokenizer: Any  # a transformers tokenizer with a chat template (None if the checkpoint has none)
     name: str
@@ -58,18 +60,6 @@ def gguf_model_name(path: str) -> str:
     """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct': the id clients use, without the quantisation."""
     stem = os.path.basename(path).removesuffix(".gguf")
     return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|BF16|F32)$", "", stem, flags=re.IGNORECASE) or stem
-
-
-def resolve_dtype(dtype: str | torch.dtype, native: torch.dtype | None = None) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if native == torch.bfloat16 else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
@@ -115,20 +105,21 @@ def _single_threaded() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _build(cfg: ModelConfig, dtype: torch.dtype, weights, attention_backend: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(cfg, dtype, attention_backend)
+def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention_backend: str) -> nn.Module:
+    """The registry's model class for cfg, with the checkpoint's weights put in through `table`."""
+    model = registry.spec(cfg.architecture).model_cls()(cfg, dtype, attention_backend)
     with torch.no_grad(), _single_threaded():
-        model.load_weights(weights)
+        load_weights(model, weights, table, cfg.num_layers)
     return model.eval()
 
 
 def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool) -> LoadedModel:
     from pagedllm.model import hf_loader
 
-    cfg, raw = hf_loader.read_hf_config(path)
-    native = {"bfloat16": torch.bfloat16}.get(str(raw.get("dtype") or raw.get("torch_dtype")))
-    tdtype = resolve_dtype(dtype, native)
-    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), attention_backend)
+    cfg, _ = hf_loader.read_hf_config(path)
+    tdtype = resolve_dtype(dtype)
+    table = registry.spec(cfg.architecture).hf_names
+    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend)
     tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)
@@ -140,7 +131,8 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
     f = gguf_loader.read_gguf(path)
     cfg = gguf_loader.config_from_gguf(f)
     tdtype = resolve_dtype(dtype)
-    model = _build(cfg, tdtype, gguf_loader.iter_gguf_weights(f, cfg), attention_backend)
+    table = registry.spec(cfg.architecture).gguf_names
+    model = _build(cfg, tdtype, gguf_loader.iter_gguf_weights(f, cfg), table, attention_backend)
     tok = load_gguf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path)
@@ -152,10 +144,6 @@ def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:
 
 
 # ---- GGUF tokenizer, cached on disk ---------------------------------------------------------------------------
-def cache_dir() -> str:
-    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-
-
 def _file_key(path: str) -> str:
     st = os.stat(path)
     ident = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"

@@ -27,8 +27,8 @@ class Backend(Protocol):
 
     def matcher(self, compiled: Any) -> Matcher: ...
 
-    def fill_bitmasks(self, matchers: list[Matcher], bitmask: np.ndarray) -> None:
-        """Row i of bitmask = the tokens matchers[i] allows next."""
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """Row rows[i] of bitmask = the tokens matchers[i] allows next."""
         ...
 
 

@@ -26,7 +26,7 @@ class _Matcher:
         self.m = m
 
     def accept(self, token_id: int) -> bool:
-        return self.m.consume_token(token_id) and not self.m.is_error()
+        return self.m.try_consume_tokens([token_id]) == 1  # a rejected token leaves no error state behind
 
     def rollback(self, num_tokens: int) -> None:
         self.m.rollback(num_tokens)
@@ -73,6 +73,6 @@ class LLGuidanceBackend:
     def matcher(self, compiled: llguidance.LLMatcher) -> _Matcher:
         return _Matcher(compiled.deep_copy())
 
-    def fill_bitmasks(self, matchers: list[_Matcher], bitmask: np.ndarray) -> None:
-        llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(m.m, i) for i, m in enumerate(matchers)],
+    def fill_bitmasks(self, matchers: list[_Matcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(m.m, r) for m, r in zip(matchers, rows, strict=True)],
                                                      bitmask)

@@ -58,13 +58,30 @@ class StructuredOutputManager:
     def matcher(self, compiled: Any) -> Matcher:
         return self.backend.matcher(compiled)
 
-    def bitmask(self, matchers: list[Matcher]) -> np.ndarray:
-        """[len(matchers), ceil(vocab / 32)] int32, row i = what matchers[i] allows next. A view of a reused
-        buffer, valid until the next call."""
-        if self._bitmask.shape[0] < len(matchers):
-            self._bitmask = np.zeros((len(matchers), self._bitmask.shape[1]), np.int32)
-        out = self._bitmask[:len(matchers)]
-        self.backend.fill_bitmasks(matchers, out)
+    def bitmask(self, walks: list[tuple[Matcher, list[int]]]) -> np.ndarray:
+        """One int32 row of ceil(vocab / 32) words per (matcher, draft tokens) and draft prefix: what the matcher
+        allows next after 0, 1, ... len(drafts) of the drafts. A draft the grammar rejects ends the walk (the
+        rows after it repeat the last mask: the sampler's token there differs from the draft, so the rows
+        beyond are never used). Matchers end where they started. A view of a reused buffer."""
+        n = sum(1 + len(d) for _, d in walks)
+        if self._bitmask.shape[0] < n:
+            self._bitmask = np.zeros((n, self._bitmask.shape[1]), np.int32)
+        out, starts, row = self._bitmask[:n], [], 0
+        for _, drafts in walks:
+            starts.append(row)
+            row += 1 + len(drafts)
+        self.backend.fill_bitmasks([m for m, _ in walks], out, starts)  # all current states in one batch
+        for (m, drafts), start in zip(walks, starts, strict=True):
+            walked = 0
+            for j, token in enumerate(drafts):
+                row = start + 1 + j
+                if walked == j and m.accept(token):
+                    walked += 1
+                    self.backend.fill_bitmasks([m], out, [row])
+                else:
+                    out[row] = out[row - 1]
+            if walked:
+                m.rollback(walked)
         return out
 
     def shutdown(self) -> None:

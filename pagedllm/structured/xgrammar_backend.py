@@ -56,6 +56,6 @@ class XGrammarBackend:
     def matcher(self, compiled: xgr.CompiledGrammar) -> _Matcher:
         return _Matcher(xgr.GrammarMatcher(compiled))
 
-    def fill_bitmasks(self, matchers: list[_Matcher], bitmask: np.ndarray) -> None:
-        for i, m in enumerate(matchers):
-            m.m.fill_next_token_bitmask(bitmask, i)
+    def fill_bitmasks(self, matchers: list[_Matcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        for m, r in zip(matchers, rows, strict=True):
+            m.m.fill_next_token_bitmask(bitmask, r)

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention import copy_blocks, get_backend
-from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.attention.metadata import build_attention_metadata, compute_positions
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.model.kv_cache import allocate_kv_caches
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto") -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
         self.kv_caches = allocate_kv_caches(config, block_size, dtype, num_blocks=num_blocks)
@@ -28,23 +29,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]],
-                block_copies: list[tuple[int, int]], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; return float32 logits for the last new token of each request in sample_rows. The logits
-        live in a buffer the next call overwrites."""
+                block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run one step; return float32 logits for the rows that sample (each entry with `samples`: its last
+        1 + draft tokens, in order). The logits live in a buffer the next call overwrites."""
+        kernels.set_batch_invariant(self.batch_invariant)  # per step: engines in one process may differ
         if block_copies:
             copy_blocks(self.kv_caches, block_copies)
-        num_computed = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
+        num_computed = [s.request.num_computed_tokens for s in scheduled]
+        num_new = [s.num_new_tokens for s in scheduled]
         token_ids: list[int] = []
-        for s, c, n in zip(scheduled, num_computed.tolist(), num_new.tolist(), strict=True):
-            token_ids.extend(s.request.all_token_ids[c:c + n])
-        # positions: c, c+1, ..., c+n-1 for every request, without a Python loop per token
-        starts = np.cumsum(num_new) - num_new
-        positions = np.arange(int(num_new.sum())) - np.repeat(starts - num_computed, num_new)
-        meta = build_attention_metadata(block_tables, num_computed.tolist(), num_new.tolist(), self.block_size)
+        logit_rows: list[int] = []
+        for s, c in zip(scheduled, num_computed, strict=True):
+            token_ids.extend(s.request.all_token_ids[c:c + s.num_new_tokens - s.num_draft_tokens])
+            token_ids.extend(s.draft_token_ids)
+            logit_rows.extend(range(len(token_ids) - s.num_logits, len(token_ids)))
+        positions = compute_positions(num_computed, num_new)
+        meta = build_attention_metadata(block_tables, num_computed, num_new, self.block_size, positions)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
                             self.kv_caches, meta)
-        last = torch.from_numpy(np.cumsum(num_new)[sample_rows] - 1)
-        if self._logits.shape[0] < len(last):
-            self._logits = torch.empty(len(last), self.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[last], out=self._logits[:len(last)])
+        if self._logits.shape[0] < len(logit_rows):
+            self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32)
+        rows = torch.tensor(logit_rows, dtype=torch.int64)
+        return self.model.compute_logits(hidden[rows], out=self._logits[:len(logit_rows)])

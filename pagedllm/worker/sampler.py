@@ -2,7 +2,7 @@
 
 Every step is a tensor op over the whole batch; the only per-row Python is drawing the uniform of rows
 that carry their own seed (one generator call per row, never a loop over the vocabulary). Temperature, min-p,
-top-k, top-p and the draw run in the C++ sampler (csrc/sampler.cpp: a radix select on the probabilities instead of
+top-k, top-p and the draw run in the C++ sampler (kernels/csrc/sampler.cpp: a radix select on the probabilities instead of
 a sort, so a wide top-p nucleus costs the same as a narrow one), or, where it is not built, in torch by sorting.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention.cpu_kernel import kernel_op
+from pagedllm.kernels import kernel_op
 from pagedllm.sampling_params import SamplingParams
 
 

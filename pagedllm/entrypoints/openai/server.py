@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -65,11 +66,13 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
-              served_model_name: str | None = None) -> FastAPI:
+              served_model_name: str | None = None, owns_engine: bool | None = None) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app);
-    given an AsyncEngine, the caller owns it (the app only starts it)."""
-    owns_engine = not isinstance(engine, AsyncEngine)
-    async_engine = AsyncEngine.from_engine_args(engine) if owns_engine else engine
+    given an AsyncEngine (or another client with its interface, e.g. the data-parallel one), the caller owns
+    it (the app only starts it) unless owns_engine=True."""
+    if owns_engine is None:
+        owns_engine = isinstance(engine, EngineArgs)
+    async_engine = AsyncEngine.from_engine_args(engine) if isinstance(engine, EngineArgs) else engine
     name = served_model_name or async_engine.model_name
     completion = OpenAIServingCompletion(async_engine, name)
     chat = OpenAIServingChat(async_engine, name)
@@ -111,7 +114,10 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
     async def health() -> Response:
         if not async_engine.is_running:
             return OpenAIError(503, "engine is not running", code="engine_unavailable").response()
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        if hasattr(async_engine, "health_report"):  # data parallel: one entry per replica
+            body["replicas"] = async_engine.health_report()
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -147,6 +153,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     EngineArgs.add_cli_args(parser)
+    DataParallelArgs.add_cli_args(parser)
     return parser
 
 
@@ -158,7 +165,13 @@ def serve_main(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op if set
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(EngineArgs.from_cli_args(args), api_key=api_key, served_model_name=args.served_model_name)
+    engine: EngineArgs | Any = EngineArgs.from_cli_args(args)
+    dp = DataParallelArgs.from_cli_args(args)
+    if dp.enabled:  # N replicas on Ray; only then is Ray imported
+        from pagedllm.distributed.client import DataParallelEngine
+
+        engine = DataParallelEngine(engine, dp)
+    app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name, owns_engine=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
 

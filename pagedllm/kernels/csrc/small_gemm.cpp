@@ -4,7 +4,7 @@
 // oneDNN's bf16 GEMM reaches only a fraction of the memory bandwidth there. This kernel streams every weight row
 // from memory once, dots it with all M rows of x (which stay in cache) using AVX512-BF16 dot products, and splits
 // the output columns across torch's OpenMP threads. Built only where the CPU has avx512_bf16; elsewhere the model
-// keeps F.linear (capabilities() bit 1 says which).
+// keeps F.linear (small_gemm_available() says which).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels.h"
+#include "common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -101,9 +101,12 @@ void small_gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& w) {
 
 int64_t small_gemm_available() { return pagedllm::small_gemm_available() ? 1 : 0; }
 
+int64_t small_gemm_max_rows() { return pagedllm::kSmallGemmMaxRows; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("small_gemm_bf16", &small_gemm_bf16);
   m.def("small_gemm_available", &small_gemm_available);
+  m.def("small_gemm_max_rows", &small_gemm_max_rows);
 }

@@ -1,7 +1,7 @@
 // One Llama decoder layer in one call, for bf16 models on the C++ attention backend.
 //
 // Layer by layer in Python a bf16 layer is ~50 torch ops: for a decode token of a small model their dispatch
-// (~5 ms over 30 layers) costs more than half of streaming the weights (~8 ms), and for prefill and large
+// costs as much as streaming the weights (`pagedllm bench compile` compares the two), and for prefill and large
 // batches the norms, RoPE and SiLU gate each make several passes over fp32 temporaries. Here the pointwise work
 // (RMSNorm, biases, q/k norms, RoPE, the K/V write, the SiLU gate, residual adds) is one vectorised pass per
 // stage over the rows, in parallel; the linears are the small-GEMM kernel (a few rows) or oneDNN's matmul, and
@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "kernels.h"
+#include "common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DL_ENABLED 1
@@ -31,7 +31,6 @@ namespace {
 #if DL_ENABLED
 using Bf16 = uint16_t;
 constexpr int64_t kRowsPerTask = 16;  // rows per parallel task of the pointwise stages
-constexpr int64_t kSmallGemmRows = 4;  // up to here the small GEMM (layers.SMALL_BATCH_ROWS on the Python side)
 
 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
@@ -103,7 +102,7 @@ void silu_mul(const Bf16* g, const Bf16* u, Bf16* out, int64_t n) {
 // to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does).
 void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t rows = x.size(0), n = w.size(0);
-  if (rows <= kSmallGemmRows) {
+  if (rows <= pagedllm::kSmallGemmMaxRows) {
     pagedllm::small_gemm_bf16_raw(data(x), data(w), data(out), rows, n, w.size(1));
     if (bias)
       for (int64_t r = 0; r < rows; ++r) add_into(data(out) + r * n, data(*bias), n);

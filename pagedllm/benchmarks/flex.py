@@ -1,7 +1,7 @@
 """Paged decode through FlexAttention with a paged block mask, compiled by torch.compile (the candidate that lost).
 
-Measured against the C++ kernel by `python -m pagedllm.benchmarks.kernel --flex`; see BENCHMARKS.md. Not a
-registered backend: it only covers decode (one query per request), needs static shapes (one compile per batch
+Measured against the C++ kernel by `pagedllm bench kernel --flex`; see BENCHMARKS.md. Not an attention
+backend: it only covers decode (one query per request), needs static shapes (one compile per batch
 size / pool size / context bucket, 10-25 s each on this CPU) and reads the pool through a transposed view.
 
 The pool [num_blocks, B, Hkv, D] is seen as one KV "sequence" [1, Hkv, num_blocks*B, D] shared by all requests;

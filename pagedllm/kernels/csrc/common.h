@@ -48,11 +48,37 @@ inline __m512 exp_ps(__m512 x) {
   for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(y, n);
 }
+
+// out[j] = horizontal sum of v[j], j = 0..15, by one fixed tree (lanes i, i + 2 of each 128-bit block, then i,
+// i + 1, then the blocks 0 + 1, 2 + 3, then the two halves): lane j depends on v[j] only, so a sum does not depend
+// on what the other vectors hold.
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
 #endif
 
 // paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V (impl 0 = fastest, 1 = portable).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl, int64_t min_items);
+
+// Up to this many rows a bf16 linear runs on the small GEMM (bandwidth-bound: each weight row streamed once for
+// all rows), beyond on oneDNN. Python reads it through the small_gemm_max_rows op.
+constexpr int64_t kSmallGemmMaxRows = 4;
+
+// gemm.cpp: out[M,N] = x[M,K] @ w[N,K]^T (fp32 or bf16, bf16 = true), every element summed in one fixed order
+// whatever M is (batch-invariant). Only in AVX-512 builds (gemm_invariant_available()).
+bool gemm_invariant_available();
+void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int64_t M, int64_t N, int64_t K);
 
 // small_gemm.cpp: out[M,N] = x[M,K] @ w[N,K]^T, bf16 in and out, fp32 accumulation, across torch's threads.
 // Only where the build has AVX512-BF16 (small_gemm_available()).

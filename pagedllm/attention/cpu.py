@@ -1,0 +1,37 @@
+"""The "cpu" attention backend: the C++ paged-attention kernel (pagedllm/kernels/csrc/paged_attention.cpp).
+
+The kernel reads K/V blocks in place through the block tables (no gathered copy), with an online softmax across
+chunks of keys, all query heads of a KV head together (GQA), fp32 or bf16 KV, parallel over (request, KV head,
+tile) with OpenMP and long contexts split across threads and merged. Constructing the backend builds (or loads)
+the kernels; if the build fails, get_backend("auto") logs a warning and falls back to the reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention import register_backend
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.reference import copy_blocks, write_kv
+from pagedllm.kernels import load_ops, paged_attention
+
+
+class CpuAttentionBackend:
+    """The C++ kernel behind the backend interface."""
+
+    name = "cpu"
+    copy_blocks = staticmethod(copy_blocks)
+
+    def __init__(self, portable: bool = False) -> None:
+        load_ops()
+        self.portable = portable
+        # the model may run whole decoder layers in C++ (decoder_layer.cpp), which call this kernel's fast path
+        self.runs_fused_layers = not portable
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable)
+
+
+register_backend("cpu", CpuAttentionBackend, priority=20)

@@ -1,0 +1,31 @@
+"""Native (C++/OpenMP) kernels: paged attention, the GEMMs, the fused decoder layer and the sampler.
+
+One extension built from csrc/ on first use (build.py); each kernel family has its own source file.
+
+Batch-invariant mode (on by default): every kernel computes a row the same way whatever else is in the batch, so
+a request's tokens do not depend on what it is batched with, how its prompt was chunked or whether its prefix came
+from the cache. The model runner sets it per step from EngineArgs.batch_invariant.
+"""
+
+from pagedllm.kernels.build import build_variant, kernel_op, load_ops
+from pagedllm.kernels.paged_attention import paged_attention
+
+__all__ = ["batch_invariant", "build_variant", "kernel_op", "load_ops", "paged_attention", "set_batch_invariant",
+           "small_gemm_max_rows"]
+
+_batch_invariant = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
+
+
+def small_gemm_max_rows() -> int:
+    """Up to how many rows a bf16 linear runs on the small GEMM (0 where it is not built); defined in C++."""
+    available, max_rows = kernel_op("small_gemm_available"), kernel_op("small_gemm_max_rows")
+    return int(max_rows()) if available is not None and available() else 0

@@ -1,0 +1,155 @@
+// Paged attention on the CPU: what the planner (paged_attention.cpp) and the five paths (attention_*.cpp) share.
+//
+// One work item = (request, KV head, tile of new tokens, slice of the context). All query heads of the KV head's
+// group are handled together, so each K/V row is read once per tile for the whole group (GQA-aware). Softmax is
+// online over chunks of keys; slices of a long context are merged at the end (flash-decoding style).
+//
+// Three inner loops, all with fp32 accumulators:
+//   * "dot" path (few query rows, e.g. decode): 16 dot products per row, reduced into one vector of 16 scores;
+//     bf16 K/V are widened when loaded;
+//   * "bf16 dot" path (the same rows when q and the cache are both bf16 and the CPU has AVX512-BF16): the bf16
+//     rows go straight into vdpbf16ps, and an item takes all KV heads of the request (whole K/V token rows, read
+//     as one stream per block; see one_item_per_token_row), with prefetches spread over the chunk's work;
+//   * "lanes" path (>= kLanesMinRows query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
+//     the row max / rescale of the online softmax are plain vertical vector ops; with bf16 q and cache on an
+//     AVX512-BF16 CPU, pairs of bf16 elements are broadcast into vdpbf16ps instead (attend_lanes_bf16).
+// The bf16 paths multiply V by the softmax probabilities split into a high and a low bf16 part (split_bf16_pairs);
+// sums stay fp32.
+// They need AVX-512 (compiled with -mavx512* when the CPU has it, see kernels/build.py); the portable path is plain
+// C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
+// AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16.
+//
+// Scores are computed in base 2: q is pre-multiplied by scale * log2(e) (the bf16 paths multiply the fp32 sum
+// instead) and exp2 replaces exp.
+//
+// Files: attention_tile.cpp (queries in, results out, the merge of context slices), one file per path
+// (attention_portable / _dot / _dot_bf16 / _lanes / _lanes_bf16.cpp), attention_avx512.h (their vector helpers),
+// paged_attention.cpp (the op: checks, work items, context splits, threads).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) || defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define PA_AVX512 1
+#else
+#define PA_AVX512 0
+#endif
+
+namespace pagedllm::attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kChunk = 16;     // keys per online-softmax step
+constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
+// A tile with at least this many query rows (tokens x group heads) takes a "lanes" path: its rows fill the 16
+// lanes of a vector. Fewer rows take a "dot" path.
+constexpr int64_t kLanesMinRows = 16;
+
+struct Problem {
+  const void* q;
+  void* out;
+  const void* kc;
+  const void* vc;
+  const int32_t* bt;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  int64_t hq, hkv, group, d, bs, maxb;
+  int64_t q_tok_stride, q_head_stride;  // elements
+  int64_t kv_tok_stride;                // hkv * d
+  float qscale;                         // scale * log2(e)
+  bool q_bf16, kv_bf16;                 // out has q's dtype
+  bool invariant;                       // batch-invariant mode (see paged_attention.cpp)
+};
+
+struct Item {
+  int32_t r, h, t0, t1;  // request, first KV head, new tokens [t0, t1) of the request
+  int32_t k0, k1;        // keys [k0, k1) of the context
+  int64_t part;          // offset of this slice's partial result in the partials buffer, -1 = write out directly
+  int32_t nh = 1;        // KV heads h .. h + nh - 1 (more than one on the bf16 decode path only)
+};
+
+// Query rows of an item, head-major: row i = KV head h + i / per_head, token t0 + (i % per_head) / group, query
+// head (h + i / per_head) * group + i % group.
+inline int64_t item_rows(const Problem& p, const Item& it) {
+  return static_cast<int64_t>(it.t1 - it.t0) * p.group * it.nh;
+}
+
+// (token, query head) of row i.
+inline std::pair<int64_t, int64_t> row_of(const Problem& p, const Item& it, int64_t i) {
+  const int64_t per_head = static_cast<int64_t>(it.t1 - it.t0) * p.group;
+  const int64_t hh = i / per_head, rem = i % per_head;
+  return {it.t0 + rem / p.group, (it.h + hh) * p.group + rem % p.group};
+}
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Buf = std::unique_ptr<float[], FreeDeleter>;
+
+inline Buf alloc_floats(size_t n) {
+  size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+  return Buf(static_cast<float*>(std::aligned_alloc(64, bytes)));
+}
+
+// Per-thread scratch, sized for the largest tile.
+struct Scratch {
+  Buf qbuf, acc, accT, m, l, kbuf, vbuf;
+  std::vector<int32_t> pos;
+  const Item* next = nullptr;  // the item this thread takes next (the bf16 dot path prefetches its first keys)
+  explicit Scratch(int64_t d)
+      : qbuf(alloc_floats(kMaxRows * d)), acc(alloc_floats(kMaxRows * d)), accT(alloc_floats(kMaxRows * d)),
+        m(alloc_floats(kMaxRows)), l(alloc_floats(kMaxRows)), kbuf(alloc_floats(kChunk * d)),
+        vbuf(alloc_floats(kChunk * d)), pos(kMaxRows) {}
+};
+
+// Walks the context of one request one key at a time without a division per key.
+struct KeyCursor {
+  const int32_t* table;
+  int64_t bs, blk, off;
+  KeyCursor(const int32_t* t, int64_t block_size, int64_t key)
+      : table(t), bs(block_size), blk(key / block_size), off(key % block_size) {}
+  int64_t slot() const { return static_cast<int64_t>(table[blk]) * bs + off; }
+  void next() {
+    if (++off == bs) {
+      off = 0;
+      ++blk;
+    }
+  }
+};
+
+
+inline bool uses_lanes(const Problem& p, int64_t tokens) { return tokens * p.group >= kLanesMinRows; }
+
+// attention_tile.cpp
+void load_queries(const Problem& p, const Item& it, float* qbuf, int32_t* pos);
+void start_tile(const Problem& p, const Item& it, Scratch& s, int64_t rows);
+void finish(const Problem& p, const Item& it, const float* acc, const float* m, const float* l, float* partials);
+void merge(const Problem& p, const Item* slices, int64_t nslices, const float* partials);
+
+// The paths: each computes one work item (a tile of query rows over a slice of the context).
+using AttendFn = void (*)(const Problem&, const Item&, Scratch&, float*);
+void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partials);
+// ND = head dim / 16, instantiated for head dims 32, 64 and 128.
+template <int ND> void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials);
+template <int ND> void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partials);
+template <int ND> void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials);
+template <int ND> void attend_lanes_bf16(const Problem& p, const Item& it, Scratch& s, float* partials);
+
+#define PA_INSTANTIATE(path)                                                    \
+  template void path<2>(const Problem&, const Item&, Scratch&, float*);        \
+  template void path<4>(const Problem&, const Item&, Scratch&, float*);        \
+  template void path<8>(const Problem&, const Item&, Scratch&, float*);
+
+}  // namespace pagedllm::attn

@@ -1,0 +1,186 @@
+// AVX-512 helpers of the vector paths (attention_dot*.cpp, attention_lanes*.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "attention.h"
+
+namespace pagedllm::attn {
+
+inline __m512 exp2_ps(__m512 x) {  // 2^x, rel. error ~1e-7; x <= -126 gives ~0 (callers mask exact zeros)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(126.f));
+  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, xi);  // [-0.5, 0.5]
+  __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, xi);
+}
+
+using pagedllm::load_bf16;
+
+
+// Row pointers (fp32) of the next chunk of keys; bf16 rows are widened into kb/vb. Missing keys (past k1) point
+// at the first row so that fixed 16-wide loops stay in bounds (their scores are masked).
+template <int ND>
+inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, bool pack, float* kb, float* vb,
+                       const float** kr, const float** vr) {
+  constexpr int D = ND * 16;
+  for (int64_t j = 0; j < nk; ++j, cur.next()) {
+    const int64_t off = cur.slot() * p.kv_tok_stride + h * D;
+    if (p.kv_bf16) {
+      const uint16_t* ks = static_cast<const uint16_t*>(p.kc) + off;
+      const uint16_t* vs = static_cast<const uint16_t*>(p.vc) + off;
+      for (int c = 0; c < ND; ++c) {
+        _mm512_store_ps(kb + j * D + c * 16, load_bf16(ks + c * 16));
+        _mm512_store_ps(vb + j * D + c * 16, load_bf16(vs + c * 16));
+      }
+      kr[j] = kb + j * D;
+      vr[j] = vb + j * D;
+    } else {
+      const float* ks = static_cast<const float*>(p.kc) + off;
+      const float* vs = static_cast<const float*>(p.vc) + off;
+      if (pack) {  // contiguous copy: one base register for 16 broadcast rows
+        for (int c = 0; c < ND; ++c) _mm512_store_ps(kb + j * D + c * 16, _mm512_loadu_ps(ks + c * 16));
+        kr[j] = kb + j * D;
+      } else {
+        kr[j] = ks;
+      }
+      vr[j] = vs;
+    }
+  }
+  for (int64_t j = nk; j < kChunk; ++j) {
+    kr[j] = kr[0];
+    vr[j] = vr[0];
+  }
+}
+
+// Software prefetch of the K/V rows ahead of the chunk being computed: the block table scatters the rows, so the
+// hardware prefetcher cannot follow across blocks.
+#ifndef PA_PREFETCH_CHUNKS
+#define PA_PREFETCH_CHUNKS 1
+#endif
+struct Prefetcher {
+  KeyCursor cur;
+  int64_t next;  // next key to prefetch
+  Prefetcher(const int32_t* table, int64_t bs, int64_t k0) : cur(table, bs, k0), next(k0) {}
+  template <int ND>
+  inline void run(const Problem& p, int64_t h, int64_t c, int64_t k1) {
+    constexpr int D = ND * 16;
+    const int64_t esz = p.kv_bf16 ? 2 : 4;
+    const int64_t target = std::min<int64_t>(k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk);
+    const char* kbase = static_cast<const char*>(p.kc);
+    const char* vbase = static_cast<const char*>(p.vc);
+    for (; next < target; ++next, cur.next()) {
+      const int64_t off = (cur.slot() * p.kv_tok_stride + h * D) * esz;
+      for (int64_t b = 0; b < D * esz; b += 64) {
+        _mm_prefetch(kbase + off + b, _MM_HINT_T0);
+        _mm_prefetch(vbase + off + b, _MM_HINT_T0);
+      }
+    }
+  }
+};
+
+// acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j] for the G rows of one group: all G x ND accumulators stay in
+// registers and each V row is loaded once for the whole group (one row at a time would be a chain of dependent
+#if defined(__AVX512BF16__)
+constexpr int kPairChunk = 32;  // keys per online-softmax step of the bf16 dot path
+
+// Raw bf16 row pointers of the next nk keys; missing keys (past the context) point at the first row.
+inline void chunk_ptrs(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, const uint16_t** kr,
+                       const uint16_t** vr) {
+  const uint16_t* kc = static_cast<const uint16_t*>(p.kc) + h * p.d;  // first head of the item
+  const uint16_t* vc = static_cast<const uint16_t*>(p.vc) + h * p.d;
+  for (int64_t j = 0; j < nk; ++j, cur.next()) {
+    const int64_t off = cur.slot() * p.kv_tok_stride;
+    kr[j] = kc + off;
+    vr[j] = vc + off;
+  }
+  for (int64_t j = nk; j < kPairChunk; ++j) {
+    kr[j] = kr[0];
+    vr[j] = vr[0];
+  }
+}
+
+// Prefetch of one cache line of the next chunk. The prefetches are spread over the chunk's work (each query row
+// fetches a share of its KV head's K rows while computing scores, the first value group of a head its V rows),
+// not issued as one burst: a burst of hundreds of lines fills the core's miss buffers and stalls the loop until
+// they arrive (`pagedllm bench kernel --dtype bfloat16` measures the decode path).
+// NTA: the lines are read once, they should not evict the chunk being computed from L1.
+inline void prefetch_line(const uint16_t* a) { _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_NTA); }
+
+
+// samples; with the low part the paths differ about as little as fp32 ones.
+inline void split_bf16_pairs(__m512 p0, __m512 p1, __m512i& hi, __m512i& lo) {
+  const __m256bh h0 = _mm512_cvtneps_pbh(p0), h1 = _mm512_cvtneps_pbh(p1);
+  const __m512 r0 = _mm512_sub_ps(p0, pagedllm::widen_bf16((__m256i)h0));
+  const __m512 r1 = _mm512_sub_ps(p1, pagedllm::widen_bf16((__m256i)h1));
+  hi = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)h0), (__m256i)h1, 1);
+  lo = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+}
+
+// acc[g] = acc[g] * alpha[g] + sum_j p[g][j] V[j] for G rows, keys taken in pairs (pp: per row, kPairChunk / 2
+
+// Dim held at position q of an accumulator row whose V pairs were interleaved by unpacklo/hi_epi16 per 32-dim
+// block: the low half of the block has dims 8k..8k+3 in 128-bit lane k, the high half 8k+4..8k+7.
+constexpr int pair_dim(int q) { return q / 32 * 32 + (q % 16) / 4 * 8 + (q % 32) / 16 * 4 + q % 4; }
+
+#endif  // __AVX512BF16__
+
+// Online softmax step of the lanes paths for 16 rows (lanes) and the chunk's keys c .. c + nk - 1: masks keys
+// after each row's position, updates the running max m and sum l, turns the (scaled) scores s[j] into the
+// probabilities and returns the rescale factor of the rows' accumulators.
+inline __m512 lanes_softmax(__m512* s, const int32_t* pos, int64_t c, int64_t nk, __m512& m, __m512& l) {
+  const __m512i posv = _mm512_loadu_si512(pos);
+  __mmask16 vm[kChunk];
+  __m512 mb = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < kChunk; ++j) {
+    vm[j] = j < nk ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32(static_cast<int32_t>(c + j)), _MM_CMPINT_NLT)
+                   : static_cast<__mmask16>(0);
+    mb = _mm512_mask_max_ps(mb, vm[j], mb, s[j]);
+  }
+  const __m512 mn = _mm512_max_ps(m, mb);
+  // rows with no valid key yet keep m = -inf; use 0 there so that exp2 sees no inf - inf
+  const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                                       _mm512_setzero_ps());
+  const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mu));
+  __m512 lsum = _mm512_setzero_ps();
+  for (int j = 0; j < kChunk; ++j) {
+    s[j] = _mm512_maskz_mov_ps(vm[j], exp2_ps(_mm512_sub_ps(s[j], mu)));
+    lsum = _mm512_add_ps(lsum, s[j]);
+  }
+  l = _mm512_fmadd_ps(l, alpha, lsum);
+  m = mn;
+  return alpha;
+}
+
+// The end of a lanes tile: each row's running max and sum out of their vectors, the transposed accumulator
+// ([D][rows padded to 16], position q holding dim dim_of(q)) back to rows, then finish.
+template <int D, typename DimOf>
+void finish_lanes(const Problem& p, const Item& it, Scratch& s, const __m512* mv, const __m512* lv, const float* accT,
+                  float* partials, DimOf dim_of) {
+  const int64_t rows = item_rows(p, it);
+  const int64_t nvec = (rows + 15) / 16, mp = nvec * 16;
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  for (int v = 0; v < nvec; ++v) {
+    _mm512_storeu_ps(m + v * 16, mv[v]);
+    _mm512_storeu_ps(l + v * 16, lv[v]);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int q = 0; q < D; ++q) acc[i * D + dim_of(q)] = accT[q * mp + i];
+  finish(p, it, acc, m, l, partials);
+}
+
+// "lanes" path: >= 16 rows (prefill). Rows sit in vector lanes: Q and the accumulator are kept transposed
+
+}  // namespace pagedllm::attn

@@ -1,0 +1,149 @@
+// Batch-invariant linear: out[M, N] = x[M, K] @ w[N, K]^T for fp32 or bf16 tensors, fp32 arithmetic.
+//
+// oneDNN (and the small GEMM below its row threshold) pick their kernels and their K blocking by M, so a row's
+// result changes in the last bits with the number of rows in the batch, and a greedy token can flip. Here every
+// output element is computed the same way whatever M is and whichever thread computes it: 16 fp32 lanes, lane l
+// accumulating x[k] * w[k] for k = l (mod 16) in increasing k with FMAs (the K tail loaded as zeros), then the
+// 16 lanes summed by the fixed tree of reduce16. Tiles of up to kTileRows x rows by kTileCols weight rows share
+// their loads; a smaller tile (the last rows, the last columns, a decode step) does the same arithmetic per
+// element. `pagedllm bench throughput --kernels both` compares the model on this kernel with oneDNN.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kTileRows = 4;      // x rows per tile
+constexpr int kTileCols = 4;      // weight rows (output columns) per tile: kTileRows x kTileCols accumulators
+constexpr int64_t kRowBlock = 64;  // x rows widened per pass over a thread's weight rows (they stay in L2)
+
+// rows x K elements of src (bf16 or fp32) into dst as fp32 rows of kp floats (kp = K rounded up to 16, zeros).
+void widen_rows(const void* src, bool bf16, int64_t rows, int64_t K, int64_t kp, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = dst + r * kp;
+    if (bf16) {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + r * K;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) _mm512_storeu_ps(d + k, pagedllm::load_bf16(s + k));
+      for (; k < K; ++k) d[k] = pagedllm::bf16_to_f32(s[k]);
+    } else {
+      const float* s = static_cast<const float*>(src) + r * K;
+      std::copy(s, s + K, d);
+    }
+    std::fill(d + K, d + kp, 0.f);
+  }
+}
+
+// The R x kTileCols dot products of rows xr[0..R) with wr[0..kTileCols), into sums[i * kTileCols + j].
+template <int R>
+inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sums) {
+  __m512 acc[16];
+  for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; k += 16) {
+    __m512 wv[kTileCols];
+    for (int j = 0; j < kTileCols; ++j) wv[j] = _mm512_loadu_ps(wr + j * kp + k);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xv = _mm512_loadu_ps(xr[i] + k);
+      for (int j = 0; j < kTileCols; ++j) acc[i * kTileCols + j] = _mm512_fmadd_ps(xv, wv[j], acc[i * kTileCols + j]);
+    }
+  }
+  _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
+}
+
+void store(void* out, bool bf16, int64_t idx, float v) {
+  if (bf16)
+    static_cast<uint16_t*>(out)[idx] = pagedllm::f32_to_bf16(v);
+  else
+    static_cast<float*>(out)[idx] = v;
+}
+
+// Output columns [n0, n1) for all M rows.
+void gemm_columns(const void* x, const void* w, void* out, bool bf16, int64_t M, int64_t N, int64_t K, int64_t n0,
+                  int64_t n1) {
+  const int64_t kp = (K + 15) / 16 * 16;
+  std::vector<float> xbuf(std::min(M, kRowBlock) * kp), wbuf(kTileCols * kp);
+  const size_t esz = bf16 ? 2 : 4;
+  alignas(64) float sums[16];
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int64_t mrows = std::min(kRowBlock, M - m0);
+    widen_rows(static_cast<const char*>(x) + m0 * K * esz, bf16, mrows, K, kp, xbuf.data());
+    for (int64_t n = n0; n < n1; n += kTileCols) {
+      const int64_t ncols = std::min<int64_t>(kTileCols, n1 - n);
+      widen_rows(static_cast<const char*>(w) + n * K * esz, bf16, ncols, K, kp, wbuf.data());
+      for (int64_t j = ncols; j < kTileCols; ++j) std::fill(wbuf.begin() + j * kp, wbuf.begin() + (j + 1) * kp, 0.f);
+      for (int64_t i = 0; i < mrows;) {
+        const int64_t r = mrows - i >= kTileRows ? kTileRows : 1;
+        const float* xr[kTileRows];
+        for (int64_t a = 0; a < r; ++a) xr[a] = xbuf.data() + (i + a) * kp;
+        if (r == kTileRows)
+          tile<kTileRows>(xr, wbuf.data(), kp, sums);
+        else
+          tile<1>(xr, wbuf.data(), kp, sums);
+        for (int64_t a = 0; a < r; ++a)
+          for (int64_t j = 0; j < ncols; ++j) store(out, bf16, (m0 + i + a) * N + n + j, sums[a * kTileCols + j]);
+        i += r;
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+namespace pagedllm {
+
+bool gemm_invariant_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512F__)
+  // columns across threads in whole tiles; a task streams at least ~64 KiB of weights
+  const int64_t grain = std::max<int64_t>(kTileCols, (16384 / std::max<int64_t>(K, 1) + kTileCols - 1) / kTileCols *
+                                                         kTileCols);
+  const int64_t tiles = (N + kTileCols - 1) / kTileCols;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, grain / kTileCols), [&](int64_t t0, int64_t t1) {
+    gemm_columns(x, w, out, bf16, M, N, K, t0 * kTileCols, std::min(N, t1 * kTileCols));
+  });
+#else
+  (void)x, (void)w, (void)out, (void)bf16, (void)M, (void)N, (void)K;
+  TORCH_CHECK(false, "gemm_invariant needs an AVX-512 build");
+#endif
+}
+
+}  // namespace pagedllm
+
+namespace {
+
+void gemm_invariant(at::Tensor out, const at::Tensor& x, const at::Tensor& w) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && w.scalar_type() == dt && out.scalar_type() == dt,
+              "gemm_invariant: x, w and out must all be float32 or all bfloat16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemm_invariant: shapes [M,K] x [N,K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemm_invariant: contiguous only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N, "gemm_invariant: out must be [M, N]");
+  if (M == 0 || N == 0) return;
+  pagedllm::gemm_invariant_raw(x.data_ptr(), w.data_ptr(), out.data_ptr(), dt == at::kBFloat16, M, N, K);
+}
+
+int64_t gemm_invariant_available() { return pagedllm::gemm_invariant_available() ? 1 : 0; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("gemm_invariant", &gemm_invariant);
+  m.def("gemm_invariant_available", &gemm_invariant_available);
+}

@@ -1,0 +1,235 @@
+// The paged_attention op: checks its tensors, cuts the batch into work items (tiles of query rows x slices of
+// the context), picks a path per item and runs the items on torch's threads. See attention.h for the paths.
+//
+// Batch-invariant mode (impl bit 1): a query row's output must not depend on the other rows of its tile (how the
+// prompt was chunked, whether its prefix came from the cache), on the other requests, or on the thread count.
+// Each path computes a row on its own, but the dot and lanes paths sum in different orders, and the context
+// split depends on the batch. So in this mode every tile takes the fp32 dot path (its per-row arithmetic does
+// not depend on the tile's other rows: masked keys add exact zeros), and a context is cut into slices at fixed
+// key positions (multiples of kInvariantSliceKeys) whatever the batch, merged in slice order.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+
+namespace pagedllm::attn {
+namespace {
+
+constexpr int64_t kMinWorkPerThread = 1 << 13;  // (key x row) pairs: below this a second thread costs more than it saves
+// Long contexts are split (flash-decoding) when there are fewer than kItemsPerThread items per thread: more items
+// than threads let the dynamic schedule even out items of different lengths.
+constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kMinKeysToSplit = 512;   // shorter contexts are never split: the merge would cost more
+constexpr int64_t kMinKeysPerSlice = 256;  // no slice shorter than this
+constexpr int64_t kInvariantSliceKeys = 512;  // batch-invariant mode: the fixed slice length (a multiple of kChunk)
+constexpr int64_t kImplPortable = 1, kImplInvariant = 2;  // bits of the op's impl argument
+
+#if PA_AVX512
+template <int ND>
+void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  if (p.invariant) return attend_dot<ND>(p, it, s, partials);
+  const bool lanes = uses_lanes(p, it.t1 - it.t0);
+#if defined(__AVX512BF16__)
+  if (p.q_bf16 && p.kv_bf16) {
+    if (lanes)
+      attend_lanes_bf16<ND>(p, it, s, partials);
+    else
+      attend_dot_bf16<ND>(p, it, s, partials);
+    return;
+  }
+#endif
+  if (lanes)
+    attend_lanes<ND>(p, it, s, partials);
+  else
+    attend_dot<ND>(p, it, s, partials);
+}
+#endif  // PA_AVX512
+
+AttendFn pick(int64_t d, int64_t impl) {
+#if PA_AVX512
+  if (!(impl & kImplPortable)) {
+    if (d == 32) return attend_fast<2>;
+    if (d == 64) return attend_fast<4>;
+    if (d == 128) return attend_fast<8>;
+  }
+#endif
+  (void)d;
+  (void)impl;
+  return attend_portable;
+}
+
+// The bf16 dot path takes all KV heads of a tile in one item when their rows fit: each key's K and V rows are
+// then read whole (hkv * D contiguous elements), a block of keys as one stream.
+bool one_item_per_token_row(const Problem& p, int64_t impl, int64_t tokens) {
+#if PA_AVX512 && defined(__AVX512BF16__)
+  return !(impl & (kImplPortable | kImplInvariant)) && p.q_bf16 && p.kv_bf16 && (p.d == 32 || p.d == 64 || p.d == 128) &&
+         !uses_lanes(p, tokens) && tokens * p.hq <= kMaxRows;
+#else
+  (void)p, (void)impl, (void)tokens;
+  return false;
+#endif
+}
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::ScalarType::BFloat16; }
+bool is_f32(const at::Tensor& t) { return t.scalar_type() == at::ScalarType::Float; }
+
+}  // namespace
+}  // namespace pagedllm::attn
+
+namespace pagedllm {
+
+using namespace pagedllm::attn;
+
+// out [T, Hq, D] (contiguous, q's dtype) <- attention of q [T, Hq, D] over the paged context.
+// impl: bit 0 = portable (else the best available), bit 1 = batch-invariant. min_items: split long contexts until there are this many work items
+// (0 = kItemsPerThread x threads).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl,
+                     int64_t min_items) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(is_f32(q) || is_bf16(q), "q must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "out must be a contiguous tensor like q");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (is_f32(k_cache) || is_bf16(k_cache)),
+              "k/v cache must both be float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k/v cache must be contiguous and of the same shape");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::ScalarType::Int && t->is_contiguous(), "metadata must be contiguous int32");
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == num_reqs,
+              "metadata sizes disagree");
+  Problem p;
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.kc = k_cache.data_ptr();
+  p.vc = v_cache.data_ptr();
+  p.bt = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.qsl = query_start_loc.data_ptr<int32_t>();
+  p.hq = q.size(1);
+  p.hkv = k_cache.size(2);
+  p.d = q.size(2);
+  p.bs = k_cache.size(1);
+  p.maxb = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == p.d && p.hq % p.hkv == 0, "head dims / head counts disagree");
+  p.group = p.hq / p.hkv;
+  TORCH_CHECK(p.group <= kMaxRows, "query heads per KV head must be <= 64");
+  p.q_tok_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.kv_tok_stride = p.hkv * p.d;
+  p.qscale = static_cast<float>(scale) * kLog2e;
+  p.q_bf16 = is_bf16(q);
+  p.kv_bf16 = is_bf16(k_cache);
+  p.invariant = (impl & kImplInvariant) != 0;
+  const int64_t num_slots = k_cache.size(0) * p.bs;
+
+  // Tiles: up to kMaxRows rows (tokens x group heads) each.
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows / p.group);
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int32_t n = p.qsl[r + 1] - p.qsl[r];
+    const int32_t len = p.seq_lens[r];
+    TORCH_CHECK(n >= 0 && n <= len, "request ", r, ": query_len must be in [0, seq_len]");
+    TORCH_CHECK((len + p.bs - 1) / p.bs <= p.maxb, "request ", r, ": block table too short");
+    for (int64_t b = 0; b < (len + p.bs - 1) / p.bs; ++b) {
+      const int64_t blk = p.bt[r * p.maxb + b];
+      TORCH_CHECK(blk >= 0 && blk * p.bs < num_slots, "request ", r, ": block id out of range");
+    }
+    for (int32_t t0 = 0; t0 < n; t0 += static_cast<int32_t>(tile_tokens)) {
+      const int32_t t1 = std::min<int32_t>(n, t0 + static_cast<int32_t>(tile_tokens));
+      if (one_item_per_token_row(p, impl, t1 - t0)) {
+        items.push_back({static_cast<int32_t>(r), 0, t0, t1, 0, len - n + t1, -1, static_cast<int32_t>(p.hkv)});
+        continue;
+      }
+      for (int32_t h = 0; h < p.hkv; ++h)
+        items.push_back({static_cast<int32_t>(r), h, t0, t1, 0, len - n + t1, -1});
+    }
+  }
+  if (items.empty()) return;
+
+  // Small batches run on the calling thread: waking a second thread costs microseconds on a quiet machine and
+  // milliseconds on a busy one. Work is counted in (key x query row) pairs.
+  int64_t total = 0;
+  for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * item_rows(p, it);
+  const int64_t threads = std::clamp<int64_t>(total / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
+  // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
+  const int64_t want = min_items > 0 ? min_items : (threads > 1 ? kItemsPerThread * threads : 1);
+  int64_t partial_floats = 0;
+  std::vector<Item> work;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // [begin, end) in work of items that need a merge
+  const int64_t base = static_cast<int64_t>(items.size());
+  for (const Item& it : items) {
+    const int64_t keys = it.k1 - it.k0;
+    int64_t span = keys;
+    if (p.invariant) {
+      span = kInvariantSliceKeys;  // it.k0 is 0: the slices start at multiples of the span
+    } else if (base < want && keys >= kMinKeysToSplit) {
+      const int64_t ns = std::min<int64_t>((want + base - 1) / base, keys / kMinKeysPerSlice);
+      span = ((keys + ns - 1) / ns + kChunk - 1) / kChunk * kChunk;
+    }
+    if (span >= keys) {
+      work.push_back(it);
+      continue;
+    }
+    const int64_t begin = static_cast<int64_t>(work.size());
+    const int64_t rows = item_rows(p, it);
+    for (int64_t k0 = it.k0; k0 < it.k1; k0 += span) {
+      Item sl = it;
+      sl.k0 = static_cast<int32_t>(k0);
+      sl.k1 = static_cast<int32_t>(std::min<int64_t>(it.k1, k0 + span));
+      sl.part = partial_floats;
+      partial_floats += rows * (p.d + 2);
+      work.push_back(sl);
+    }
+    groups.emplace_back(begin, static_cast<int64_t>(work.size()));
+  }
+  // Largest items first so that dynamic scheduling balances causal tiles of very different cost.
+  std::vector<int64_t> order(work.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const Item &x = work[a], &y = work[b];
+    return (x.k1 - x.k0) * item_rows(p, x) > (y.k1 - y.k0) * item_rows(p, y);
+  });
+  std::vector<float> partials(partial_floats);
+  const AttendFn fn = pick(p.d, impl);
+  const int64_t nwork = static_cast<int64_t>(work.size());
+  // torch's own OpenMP team (at::parallel_for, no num_threads clause: a second team would spin against torch's
+  // on a busy machine), one task per thread pulling items from a shared counter (dynamic balance).
+  const int64_t nthr = std::min<int64_t>(threads, nwork);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthr, 1, [&](int64_t, int64_t) {
+    Scratch scratch(p.d);
+    // each thread claims its next item before working on the current one, so that the current one's last
+    // chunk can prefetch the next one's first keys
+    for (int64_t w = next.fetch_add(1, std::memory_order_relaxed); w < nwork;) {
+      const int64_t w2 = next.fetch_add(1, std::memory_order_relaxed);
+      scratch.next = w2 < nwork ? &work[order[w2]] : nullptr;
+      fn(p, work[order[w]], scratch, partials.data());
+      w = w2;
+    }
+  });
+  if (!groups.empty()) {
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g)
+        merge(p, work.data() + groups[g].first, groups[g].second - groups[g].first, partials.data());
+    });
+  }
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY(pagedllm_cpu, m) { m.def("paged_attention", &pagedllm::paged_attention); }

@@ -1,0 +1,35 @@
+"""Python entry to the paged-attention kernel (csrc/paged_attention.cpp)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.kernels.build import load_ops
+
+if TYPE_CHECKING:  # the kernels sit below attention/: the type only
+    from pagedllm.attention.metadata import AttentionMetadata
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, *, portable: bool = False, min_items: int = 0, invariant: bool | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T,Hq,D] over the paged context described by meta (K/V already written). -> [T,Hq,D].
+    invariant: batch-invariant arithmetic (None: the process-wide mode, kernels.batch_invariant())."""
+    if invariant is None:
+        from pagedllm.kernels import batch_invariant
+
+        invariant = batch_invariant()
+    ops = load_ops()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    ops.paged_attention(out, q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.seq_lens),
+                        _int32(meta.query_start_loc), float(scale), int(portable) | int(invariant) << 1, int(min_items))
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()

@@ -1,0 +1,92 @@
+"""The model registry: architecture name -> model class, checkpoint names and declared capabilities.
+
+Pure data (no torch): config parsing looks architectures up here before any model code is imported. Adding an
+architecture is one `ArchSpec` entry below plus, if its layer differs, a model class (docs/INTERFACES.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from pagedllm.model import weight_names
+
+# Features a checkpoint may use (ModelConfig.features() lists the ones it does use).
+QKV_BIAS, O_BIAS, QK_NORM = "qkv_bias", "o_bias", "qk_norm"
+SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddings", "rope_scaling"
+
+# What decoder_layer.cpp computes: a pre-norm Llama layer with these optional parts. A model runs its layers
+# fused only when its spec says its layer is that layer and its config uses nothing outside this set.
+FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING})
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is valid but uses an architecture or feature pagedllm does not implement."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str  # our family tag, ModelConfig.architecture
+    model_class: str  # "module:Class", imported on first use
+    hf_architectures: tuple[str, ...]  # config.json "architectures" entries
+    gguf_architectures: tuple[str, ...]  # GGUF general.architecture values
+    hf_names: dict[str, weight_names.Target]  # safetensors name -> our parameter
+    gguf_names: dict[str, weight_names.Target]  # GGUF tensor name -> our parameter
+    supports: frozenset[str]  # features the model class implements
+    fused_layer: bool = False  # its decoder layer is decoder_layer.cpp's layer
+    always_qkv_bias: bool = False  # q/k/v biases whatever config.json says (Qwen2)
+    always_qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    window_switch: str | None = None  # config.json key that turns sliding_window on (Qwen: use_sliding_window)
+    gguf_permuted_qk: bool = False  # llama.cpp's converter interleaved the Q/K rope pairs
+
+    def model_cls(self) -> type:
+        module, cls = self.model_class.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def check_features(self, used: set[str]) -> None:
+        """UnsupportedModelError naming the features the checkpoint uses that this architecture lacks."""
+        missing = sorted(used - self.supports)
+        if missing:
+            raise UnsupportedModelError(f"{self.name} models with {', '.join(missing)} are not supported")
+
+    def runs_fused_layer(self, used: set[str]) -> bool:
+        return self.fused_layer and used <= FUSED_LAYER_FEATURES
+
+
+_LLAMA_HF, _LLAMA_GGUF = weight_names.by_format(weight_names.LLAMA)
+_LLAMA_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", hf_names=_LLAMA_HF,
+                     gguf_names=_LLAMA_GGUF, fused_layer=True,
+                     supports=frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING}))
+
+ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
+    ArchSpec("llama", hf_architectures=("LlamaForCausalLM",), gguf_architectures=("llama",),
+             gguf_permuted_qk=True, **_LLAMA_FAMILY),
+    ArchSpec("mistral", hf_architectures=("MistralForCausalLM",), gguf_architectures=("mistral",),
+             gguf_permuted_qk=True, **_LLAMA_FAMILY),
+    ArchSpec("qwen2", hf_architectures=("Qwen2ForCausalLM",), gguf_architectures=("qwen2",),
+             always_qkv_bias=True, window_switch="use_sliding_window", **_LLAMA_FAMILY),
+    ArchSpec("qwen3", hf_architectures=("Qwen3ForCausalLM",), gguf_architectures=("qwen3",),
+             always_qk_norm=True, window_switch="use_sliding_window", **_LLAMA_FAMILY),
+)}
+
+
+def spec(name: str) -> ArchSpec:
+    return ARCHITECTURES[name]
+
+
+def spec_for_hf(architectures: list[str], model_type: str | None) -> ArchSpec:
+    for spec_ in ARCHITECTURES.values():
+        if any(a in spec_.hf_architectures for a in architectures):
+            return spec_
+    if model_type in ARCHITECTURES:
+        return ARCHITECTURES[model_type]
+    supported = ", ".join(a for s in ARCHITECTURES.values() for a in s.hf_architectures)
+    raise UnsupportedModelError(f"unsupported architecture {architectures or model_type!r}; supported: {supported}")
+
+
+def spec_for_gguf(architecture: str) -> ArchSpec:
+    for spec_ in ARCHITECTURES.values():
+        if architecture in spec_.gguf_architectures:
+            return spec_
+    supported = ", ".join(a for s in ARCHITECTURES.values() for a in s.gguf_architectures)
+    raise UnsupportedModelError(f"unsupported GGUF architecture {architecture!r}; supported: {supported}")

@@ -1,0 +1,53 @@
+"""Load named checkpoint tensors into a model through a weight-name table (weight_names.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.model.linear import Linear, load_dense
+from pagedllm.model.weight_names import IGNORED_SUFFIXES, TIED_COPIES, Target, expand
+
+
+def _owner(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    module_path, _, leaf = path.rpartition(".")
+    try:
+        return (model.get_submodule(module_path) if module_path else model), leaf
+    except AttributeError:
+        return None, leaf
+
+
+def _has_target(model: nn.Module, path: str) -> bool:
+    owner, leaf = _owner(model, path)
+    if isinstance(owner, Linear):
+        return owner.has(leaf)
+    return isinstance(getattr(owner, leaf, None), nn.Parameter)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], table: dict[str, Target],
+                 num_layers: int) -> None:
+    """Put every checkpoint tensor where `table` says. Raises ValueError on a name the table does not know or the
+    model has no place for, on a shape that does not fit, and on weights the model needs that never came."""
+    names = expand(table, num_layers)
+    expected = {name for name, (path, _) in names.items() if _has_target(model, path)}
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith(IGNORED_SUFFIXES) or (name in TIED_COPIES and name not in expected):
+            continue  # recomputed, folded into the config, or the copy a tied checkpoint stores anyway
+        if name not in expected:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        path, shard = names[name]
+        owner, leaf = _owner(model, path)
+        if isinstance(owner, Linear):
+            owner.load_weight(leaf, tensor, shard, name)
+        else:
+            load_dense(getattr(owner, leaf), tensor, name)
+        seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[:3]}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)

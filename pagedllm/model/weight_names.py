@@ -1,0 +1,60 @@
+"""Checkpoint tensor names -> our parameters: one declarative table per architecture family, one column per
+checkpoint format (HF safetensors, GGUF).
+
+A target is a parameter path inside the model ("layers.{i}.mlp.down.weight"), or (path, shard) for a piece of a
+fused parameter: shard k of a Linear built with output_sizes [s0, s1, ...] is rows sum(s[:k]) .. + s[k].
+"{i}" stands for the layer index. Names whose target the model does not have (a bias the config does not use,
+the lm_head copy of a tied checkpoint) are handled by the loader (weight_loading.py).
+"""
+
+from __future__ import annotations
+
+Target = str | tuple[str, int]
+
+Q, K, V = 0, 1, 2  # shards of attn.qkv
+GATE, UP = 0, 1  # shards of mlp.gate_up
+
+# ---- Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) --------------------------------------------------------
+# (HF safetensors name, GGUF name, our parameter)
+LLAMA: list[tuple[str, str, Target]] = [
+    ("model.embed_tokens.weight", "token_embd.weight", "embed"),
+    ("model.norm.weight", "output_norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight", "lm_head.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", "layers.{i}.post_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", ("layers.{i}.attn.qkv.weight", Q)),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", ("layers.{i}.attn.qkv.weight", K)),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", ("layers.{i}.attn.qkv.weight", V)),
+    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", ("layers.{i}.attn.qkv.bias", Q)),
+    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", ("layers.{i}.attn.qkv.bias", K)),
+    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", ("layers.{i}.attn.qkv.bias", V)),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", "layers.{i}.attn.o.weight"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", "layers.{i}.attn.o.bias"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", "layers.{i}.attn.q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", "layers.{i}.attn.k_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", ("layers.{i}.mlp.gate_up.weight", GATE)),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight", ("layers.{i}.mlp.gate_up.weight", UP)),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", "layers.{i}.mlp.down.weight"),
+]
+
+
+def by_format(rows: list[tuple[str, str, Target]]) -> tuple[dict[str, Target], dict[str, Target]]:
+    """(HF name -> target, GGUF name -> target)."""
+    return {hf: t for hf, _, t in rows}, {gguf: t for _, gguf, t in rows}
+
+
+# Checkpoint entries that carry no weight of ours: rotary tables (recomputed), GGUF rope_freqs (folded into the
+# config), and an lm_head copy stored next to tied embeddings.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight")
+TIED_COPIES = ("lm_head.weight",)
+
+
+def expand(table: dict[str, Target], num_layers: int) -> dict[str, tuple[str, int | None]]:
+    """The table with "{i}" spelled out for every layer, each target as (path, shard or None)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for name, target in table.items():
+        path, shard = (target, None) if isinstance(target, str) else target
+        layers = range(num_layers) if "{i}" in name else (0,)
+        for i in layers:
+            out[name.replace("{i}", str(i))] = (path.replace("{i}", str(i)), shard)
+    return out
