@@ -22,15 +22,15 @@ BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per output")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    g.add_argument("--n", type=int, default=1, help="outputs per prompt")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeated tokens")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
 
 
@@ -95,11 +95,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None,
+                        help="logging level (default: INFO for serve, WARNING for the other commands)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions for prompts (arguments or --file)")
-    g.add_argument("prompts", nargs="*")
+    g.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
     g.add_argument("--file", help="a text file with one prompt per line")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     EngineArgs.add_cli_args(g)
@@ -141,7 +142,8 @@ def _run_bench(module, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 

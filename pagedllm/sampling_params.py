@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from pagedllm.structured.params import StructuredOutputsParams
 
@@ -25,6 +26,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
+    min_tokens: int = 0  # EOS, stop token ids and stop strings are held back until this many tokens exist
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # top logprobs per prompt token besides the prompt's own token
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (their last token is banned after the rest)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    # derived by prepare() when the engine accepts the request: what the sampler masks
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,6 +44,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:  # JSON keys arrive as strings
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from e
         self.validate()
 
     def validate(self) -> None:
@@ -63,6 +79,44 @@ class SamplingParams:
             raise bad("stop", "must not contain empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        if self.logit_bias and any(not math.isfinite(v) for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be finite numbers")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", "must be an integer >= 1")
+
+    def prepare(self, tokenizer, eos_token_ids: set[int], vocab_size: int) -> None:
+        """Check the token ids against the vocabulary; tokenize bad_words (with and without a leading space,
+        as they may start a word or follow one)."""
+        self.check_token_ids(vocab_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        words = []
+        for w in self.bad_words or ():
+            for variant in dict.fromkeys((w, " " + w.lstrip())):
+                ids = tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        self.bad_words_token_ids = words
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids named by the parameters must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
 
     @property
     def greedy(self) -> bool:

@@ -39,13 +39,13 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
     return q, k, v, k_cache, v_cache, meta
 
 
-def run_both(backend, q, k, v, k_cache, v_cache, meta, scale):
+def run_both(backend, q, k, v, k_cache, v_cache, meta, scale, window=None):
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     # the oracle in float64 on the same values (new K/V rounded to the cache dtype, as the pool stores them)
     kv = k_cache.dtype
     ref = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), kc_ref.double(),
-                                     vc_ref.double(), meta, scale)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+                                     vc_ref.double(), meta, scale, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window)
     # the kernel wrote exactly the same K/V as the reference
     ReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
@@ -86,6 +86,38 @@ def test_kernel_matches_reference(case, kv_dtype, portable):
     out, ref = run_both(backend, *batch, scale=d ** -0.5)
     assert out.dtype == dtype and out.shape == batch[0].shape
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
+WINDOW_CASES = [
+    # block_size, hq, hkv, d, window, num_computed, num_new: windows shorter than most contexts, decode steps and
+    # chunks that cross the window edge, every path (dot, lanes, bf16 per-request decode, portable head dims)
+    (16, 9, 3, 64, 24, *MIXED),
+    (16, 16, 1, 64, 100, [0, 300, 1], [45, 1, 1]),
+    (32, 12, 3, 128, 40, [0, 63, 31], [100, 1, 2]),
+    (8, 6, 3, 40, 7, [0, 21], [19, 4]),
+    (16, 32, 8, 128, 33, [500, 37, 0, 90, 3], [1, 2, 3, 1, 2]),
+    (16, 4, 1, 256, 50, [0, 120, 60], [70, 1, 3]),  # Gemma 3's head shape
+]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_sliding_window_matches_reference_and_reads_only_the_window(case, kv_dtype, portable, invariant):
+    block_size, hq, hkv, d, window, computed, new = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, kv_dtype, portable)).encode()))
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, block_size, hq, hkv, d, kv_dtype, kv_dtype)
+    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
+                                     meta, d ** -0.5, window)
+    ReferenceBackend().forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)  # the pool as the kernel finds it
+    for r, c in enumerate(computed):
+        first = max(0, c - window + 1)  # the first key any query of request r sees
+        for b in meta.block_tables[r, :first // block_size].tolist():
+            k_cache[b] = v_cache[b] = float("nan")  # blocks a sliding-window cache may have freed: never read
+    out = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, portable=portable, invariant=invariant,
+                                  window=window)
+    torch.testing.assert_close(out.double(), ref, **tol(kv_dtype))
 
 
 @pytest.mark.parametrize("min_items", [1, 64])

@@ -48,6 +48,60 @@ def test_chat_keeps_the_conversation(tmp_path):
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_serve_flags_as_vllm():
+    """`pagedllm serve MODEL` with vLLM's flag spellings; the old spellings still parse; every flag has help."""
+    import argparse
+
+    from pagedllm.cli import build_parser
+    from pagedllm.engine.args import EngineArgs
+    from pagedllm.entrypoints.openai.server import read_chat_template
+
+    parser = build_parser()
+    a = parser.parse_args(["serve", "some/model", "--no-enable-prefix-caching", "--enable-chunked-prefill",
+                           "--api-key", "k1", "--api-key", "k2", "--served-model-name", "a", "b",
+                           "--allowed-origins", '["http://x.test", "http://y.test"]', "--threads", "1",
+                           "--enable-log-requests", "--chat-template", "{{ messages }}"])
+    args = EngineArgs.from_cli_args(a)
+    assert (args.model, args.enable_prefix_caching, args.enable_chunked_prefill) == ("some/model", False, True)
+    assert a.api_key == ["k1", "k2"] and a.served_model_name == ["a", "b"] and a.enable_log_requests
+    assert [o for g in a.allowed_origins for o in g] == ["http://x.test", "http://y.test"]
+    assert read_chat_template(a.chat_template) == "{{ messages }}"
+    import torch
+
+    assert torch.get_num_threads() == 1
+    old = parser.parse_args(["serve", "--model", "m", "--no-prefix-caching", "--no-chunked-prefill"])
+    args = EngineArgs.from_cli_args(old)
+    assert (args.model, args.enable_prefix_caching, args.enable_chunked_prefill) == ("m", False, False)
+    assert parser.parse_args(["serve"]).log_level is None  # serve then logs at INFO (main picks the level)
+    sub = next(x for x in parser._actions if isinstance(x, argparse._SubParsersAction))
+    for name in ("serve", "generate", "chat"):
+        for action in sub.choices[name]._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS and "-h" not in action.option_strings:
+                assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_chat_line_editing_keeps_history(tmp_path, monkeypatch):
+    """On a terminal, `pagedllm chat` reads lines through readline and keeps its history across sessions."""
+    readline = __import__("pytest").importorskip("readline")
+    import sys
+
+    from pagedllm.engine.chat_session import line_editing
+
+    history = str(tmp_path / "hist")
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
+    with line_editing(history) as editing:
+        assert not editing  # piped input: plain reads
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    readline.clear_history()
+    with line_editing(history) as editing:
+        assert editing
+        readline.add_history("what is paging?")
+    readline.clear_history()
+    with line_editing(history):
+        assert readline.get_history_item(readline.get_current_history_length()) == "what is paging?"
+
+
 def test_bench_blocks_quick_runs_through_the_cli(capsys):
     # README documents `pagedllm bench <name> --quick` for every bench, blocks included
     assert main(["bench", "blocks", "--quick"]) == 0

@@ -24,6 +24,9 @@ CONFIGS = {
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
 }
 
+# the batch-dependent fast paths (batch-invariant mode, the default, does not use them)
+pytestmark = pytest.mark.usefixtures("batch_dependent_kernels")
+
 
 def random_model(name: str, seed: int) -> LlamaForCausalLM:
     if bf16_kernel_op("decoder_layer_bf16") is None:
@@ -100,6 +103,11 @@ def test_fused_path_only_for_bf16_on_the_cpu_kernel():
     model.fused_layers = False
     assert model._fused_layer_op(h, caches) is None
     model.fused_layers = True
+    from pagedllm import kernels
+
+    kernels.set_batch_invariant(True)  # its GEMMs switch kernels with the row count: not in invariant mode
+    assert model._fused_layer_op(h, caches) is None
+    kernels.set_batch_invariant(False)
     model.set_attention_backend("reference")
     assert model._fused_layer_op(h, caches) is None
 

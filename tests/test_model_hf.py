@@ -1,6 +1,7 @@
-"""pagedllm's Llama-family model vs transformers (the oracle) on tiny random Llama / Mistral / Qwen2 / Qwen3
+"""pagedllm's models vs transformers (the oracle) on tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 3
 checkpoints saved as safetensors: same float32 logits (max abs diff < 1e-4) for every way a flat paged batch can
-be cut, and the same greedy tokens."""
+be cut, and the same greedy tokens. Two of them have sliding windows of 8 tokens (2 blocks), shorter than most
+contexts here: chunks, decode steps and prefix hits cross the window edge."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pagedllm.model import allocate_kv_caches, load_model  # noqa: E402
 TOL = 1e-4
 BS = 4  # small blocks so that tiny prompts span many of them
 VOCAB = 128
+WINDOW = 8
 
 
 def _hf_config(arch: str):
@@ -37,6 +39,14 @@ def _hf_config(arch: str):
                               rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "mistral_window":
+        return tf.MistralConfig(**common, sliding_window=WINDOW)
+    if arch == "gemma3":  # local, global, local layers with their own rope bases; scale and softcap not the defaults
+        return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=WINDOW,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   query_pre_attn_scalar=24, final_logit_softcapping=5.0,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                    "full_attention": {"rope_type": "default", "rope_theta": 1e4}})
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
@@ -56,7 +66,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / (p.shape[1] ** 0.5 if "embed" not in name else 1.0))
 
 
-ARCHS = ["llama3", "llama_tied", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama3", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3", "gemma3"]
 
 
 @dataclass
@@ -77,7 +87,8 @@ def pair(request, tmp_path_factory) -> Pair:
     path = str(tmp_path_factory.mktemp(request.param))
     hf.save_pretrained(path)
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
-    assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3")
+    assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+    assert (ours.config.sliding_window == WINDOW) == (request.param in ("mistral_window", "gemma3"))
     return Pair(hf, ours, path)
 
 
@@ -228,7 +239,7 @@ def test_bfloat16_close_to_transformers_bfloat16(pair):
         pair.hf.float()
 
 
-def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair):
+def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_dependent_kernels):
     """One-token bf16 steps on the C++ backend: where the CPU has avx512_bf16 they run the fused decoder layer
     (decoder_layer.cpp), the prefill before them the torch layers."""
     from pagedllm.model.layers import bf16_kernel_op
@@ -240,7 +251,8 @@ def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair):
         ours = load_model(pair.path, "bfloat16", attention_backend="cpu", load_tokenizer=False)
         toks = _rand_tokens(random.Random(11), 26)
         runner = PagedRunner(ours, dtype=torch.bfloat16, seed=3)
-        assert ours.model._fused_layer_op(torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
+        if ours.config.architecture != "gemma3" and ours.config.sliding_window is None:  # else torch layers
+            assert ours.model._fused_layer_op(torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
         seq = Seq(toks)
         runner.step([(seq, 18)])
         got = torch.cat([runner.step([(seq, 1)])[0] for _ in range(8)])

@@ -54,7 +54,17 @@ def test_config_from_hf_variants():
     assert c.num_kv_heads == 4 and c.head_dim == 16 and c.eos_token_ids == [1, 2]
     c = config_from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 256,
                         "max_position_embeddings": 4096}, {"eos_token_id": 7})
-    assert c.max_position_embeddings == 256 and c.eos_token_ids == [7]  # capped: full attention == window
+    assert c.max_position_embeddings == 4096 and c.eos_token_ids == [7]  # the window is attended, not capped
+    assert [c.layer_window(i) for i in range(2)] == [256, 256]
+    c = config_from_hf({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 256,
+                        "use_sliding_window": True, "max_window_layers": 1, "max_position_embeddings": 4096})
+    assert [c.layer_window(i) for i in range(2)] == [None, 256]  # Qwen: layers from max_window_layers on slide
+    c = config_from_hf({**base, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7, "sliding_window": 8,
+                        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "max_position_embeddings": 64})
+    assert c.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]  # transformers 4
+    assert c.rope_local_theta == 1e4 and c.rope_theta == 1e6
+    with pytest.raises(UnsupportedModelError, match="softcapping"):
+        config_from_hf({**base, "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
                         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})

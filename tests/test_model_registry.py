@@ -61,8 +61,9 @@ def test_features_and_fused_gate():
     llama = registry.spec("llama")
     assert llama.runs_fused_layer(tiny_config(qkv_bias=True).features())
     assert not llama.runs_fused_layer(tiny_config(sliding_window=64).features())
-    with pytest.raises(registry.UnsupportedModelError, match="sliding_window"):
-        llama.check_features(tiny_config(sliding_window=64).features())
+    llama.check_features(tiny_config(sliding_window=64).features())  # windows: torch layers, windowed kernels
+    with pytest.raises(registry.UnsupportedModelError, match="gemma3 models with qkv_bias"):
+        registry.spec("gemma3").check_features(tiny_config(qkv_bias=True).features())
     assert LlamaForCausalLM(tiny_config())._fused_capable
     assert not LlamaForCausalLM(tiny_config(sliding_window=64))._fused_capable
 

@@ -7,6 +7,9 @@ import torch
 
 from pagedllm.model import layers
 
+# the batch-dependent fast paths (batch-invariant mode, the default, does not use them)
+pytestmark = pytest.mark.usefixtures("batch_dependent_kernels")
+
 
 def kernel():
     op = layers.bf16_kernel_op("small_gemm_bf16")

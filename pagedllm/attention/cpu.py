@@ -29,9 +29,10 @@ class CpuAttentionBackend:
         self.runs_fused_layers = not portable
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable)
+        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable, window=window)
 
 
 register_backend("cpu", CpuAttentionBackend, priority=20)

@@ -19,12 +19,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one request, read through its block table: [seq_len, Hkv, D]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0) -> torch.Tensor:
+    """Tokens first..seq_len-1 of one request (first a multiple of the block size), read through its block table:
+    [seq_len - first, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.flatten(0, 1)[:seq_len]
+    blocks = cache.index_select(0, block_table[first // block_size:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len - first]
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
@@ -53,7 +54,9 @@ class ReferenceBackend:
     decode_group = 32  # decode requests attended per padded SDPA call
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        """window: each query sees only the `window` most recent keys up to itself (itself included)."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
         qf = q.float()
@@ -63,7 +66,7 @@ class ReferenceBackend:
         done: set[int] = set()
         if len(decode) > 1:
             for i in range(0, len(decode), self.decode_group):
-                self._decode_batch(qf, k_cache, v_cache, meta, scale, decode[i:i + self.decode_group], out)
+                self._decode_batch(qf, k_cache, v_cache, meta, scale, decode[i:i + self.decode_group], out, window)
             done = set(decode)
         starts = meta.query_start_loc.tolist()
         for r, n in enumerate(qlens):
@@ -71,27 +74,33 @@ class ReferenceBackend:
                 continue
             s = starts[r]
             out[s:s + n] = self._attend_one(qf[s:s + n], k_cache, v_cache, meta.block_tables[r],
-                                            meta.seq_lens_list[r], scale)
+                                            meta.seq_lens_list[r], scale, window)
         return out.to(q.dtype)
 
     @staticmethod
     def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_len: int, scale: float) -> torch.Tensor:
+                    seq_len: int, scale: float, window: int | None) -> torch.Tensor:
         n = q.shape[0]
-        k = gather_context(k_cache, block_table, seq_len).to(q.dtype)
-        v = gather_context(v_cache, block_table, seq_len).to(q.dtype)
+        # keys before the first query's window are never read (their blocks may have been freed): start at the
+        # block holding the first key any query sees
+        first = 0 if window is None else max(0, seq_len - n - window + 1) // k_cache.shape[1] * k_cache.shape[1]
+        k = gather_context(k_cache, block_table, seq_len, first).to(q.dtype)
+        v = gather_context(v_cache, block_table, seq_len, first).to(q.dtype)
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if n == seq_len:  # nothing cached: plain causal
+        if n == seq_len and window is None:  # nothing cached: plain causal
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # query i sits at position seq_len - n + i and sees every key up to it
+        else:  # query i sits at position seq_len - n + i and sees the keys up to it (within its window)
             qpos = torch.arange(seq_len - n, seq_len)[:, None]
-            mask = torch.arange(seq_len)[None, :] <= qpos
+            kpos = torch.arange(first, seq_len)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
 
     @staticmethod
     def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, reqs: list[int], out: torch.Tensor) -> None:
+                      scale: float, reqs: list[int], out: torch.Tensor, window: int | None) -> None:
         idx = torch.tensor(reqs, dtype=torch.long)
         rows = meta.query_start_loc[idx].long()
         seq_lens = meta.seq_lens[idx].long()
@@ -101,7 +110,11 @@ class ReferenceBackend:
         tables = meta.block_tables[idx, :nb].long()  # padded entries point at block 0, masked below
         k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)  # [R, L, Hkv, D]
         v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
-        mask = (torch.arange(max_len)[None, :] < seq_lens[:, None])[:, None, None, :]
+        kpos = torch.arange(max_len)[None, :]
+        mask = kpos < seq_lens[:, None]
+        if window is not None:  # keys outside the window are masked; their (maybe freed) blocks read as padding
+            mask &= kpos >= seq_lens[:, None] - window
+        mask = mask[:, None, None, :]
         qh = q[rows][:, :, None, :]  # [R, Hq, 1, D]
         o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            scale=scale, enable_gqa=True)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import common
 from pagedllm.benchmarks.engine import pagedllm_speeds, python_share
-from pagedllm.model import layers, llama, mlp
+from pagedllm.model import base, layers, mlp
 
 
 def compiled_pointwise() -> dict:
@@ -41,7 +41,7 @@ def compiled_pointwise() -> dict:
 
     return {(layers.RMSNorm, "forward"): lambda self, x: rms_norm(x, self.weight, self.eps),
             (mlp.GatedMLP, "forward"): swiglu,
-            (llama, "apply_rope"): torch.compile(layers.apply_rope, dynamic=True)}
+            (base, "apply_rope"): torch.compile(layers.apply_rope, dynamic=True)}
 
 
 def measure(llm: LLM, first_token: int) -> dict[str, float]:

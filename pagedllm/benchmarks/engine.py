@@ -43,7 +43,7 @@ def model_costs(llm: LLM) -> tuple[int, float]:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed.numel()
     flops = 2 * (sum(p.numel() for p in model.parameters() if p.dim() == 2) - embed
-                 - (0 if model.lm_head is None else model.lm_head.numel()))
+                 - (0 if model.lm_head is None else model.lm_head.weight.numel()))
     return nbytes, flops
 
 

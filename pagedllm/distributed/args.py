@@ -46,8 +46,10 @@ class DataParallelArgs:
                        help="an existing Ray cluster ('auto' or ray://host:port); default: start a local one")
         g.add_argument("--threads", type=int, default=None,
                        help="torch threads per replica (default: cores / data-parallel-size)")
-        g.add_argument("--routing-policy", default="prefix", choices=POLICIES)
-        g.add_argument("--max-replica-restarts", dest="max_restarts", type=int, default=4)
+        g.add_argument("--routing-policy", default="prefix", choices=POLICIES,
+                       help="which replica takes a request: the one holding its prefix, the least loaded, or in turn")
+        g.add_argument("--max-replica-restarts", dest="max_restarts", type=int, default=4,
+                       help="times Ray restarts a replica that died")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> DataParallelArgs:

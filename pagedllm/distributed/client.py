@@ -27,6 +27,7 @@ from pagedllm.distributed.replica import EngineReplica
 from pagedllm.distributed.routing import NoHealthyReplicaError, ReplicaLoad, make_policy
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -119,10 +120,8 @@ class DataParallelEngine:
                     self.policy.name)
 
     # -- model facts ------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> str:
+        return render_chat_template(self.tokenizer, messages, **kwargs)
 
     # -- life cycle -------------------------------------------------------------------------------------
     @property

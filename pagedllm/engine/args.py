@@ -39,9 +39,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     # every kernel computes a row the same way whatever the batch: tokens do not depend on batching, chunking,
     # the prefix cache or preemption (README: what turning it off trades)
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     seed: int = 0
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (see pagedllm/structured/)
+    generation_config: str = "auto"  # default sampling from the model ("auto"), none ("vllm"), or a directory
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,26 +57,59 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False, threads: bool = True) -> None:
+        """The engine flags, spelled as vLLM's. positional_model: `pagedllm serve MODEL` (--model still works).
+        threads=False: the caller adds its own --threads (serve: per data-parallel replica)."""
         d = EngineArgs()
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M)")
-        g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
-        g.add_argument("--block-size", type=int, default=d.block_size)
-        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory)
-        g.add_argument("--num-kv-blocks", type=int, default=None)
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-        g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"])
-        g.add_argument("--attention-backend", default=d.attention_backend)
+        model_help = "HF directory, .gguf file or a hub id in the local HF cache (default: embedded SmolLM2-135M)"
+        if positional_model:
+            g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
+        g.add_argument("--model", default=None, help=model_help)
+        g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES),
+                       help="compute dtype of weights, activations and KV cache")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                       help="memory for the KV cache, e.g. 2GiB (sizes the block pool)")
+        g.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="number of KV blocks (overrides --kv-cache-memory)")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one engine step")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's context length)")
+        g.add_argument("--enable-prefix-caching", default=d.enable_prefix_caching,
+                       action=argparse.BooleanOptionalAction, help="reuse the KV blocks of shared prompt prefixes")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help=argparse.SUPPRESS)  # the old spelling
+        g.add_argument("--enable-chunked-prefill", default=d.enable_chunked_prefill,
+                       action=argparse.BooleanOptionalAction,
+                       help="split long prompts over several steps, batched with decodes")
+        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       help=argparse.SUPPRESS)  # the old spelling
+        g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"],
+                       help="contiguous reserves max-model-len per request up front (the baseline)")
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       help="auto, reference (the pure-torch oracle) or a kernel name")
         g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
-                       help="outputs independent of batching, chunking and the prefix cache (default: on)")
-        g.add_argument("--seed", type=int, default=d.seed)
+                       help="outputs independent of batching, chunking and the prefix cache")
+        g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's sampler")
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="default sampling parameters: 'auto' = the model's generation_config.json / GGUF "
+                            "sampling keys, 'vllm' = none, or a directory with a generation_config.json")
+        if threads:
+            g.add_argument("--threads", type=int, default=None,
+                           help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        if getattr(ns, "model_tag", None) is not None:
+            if ns.model is not None and ns.model != ns.model_tag:
+                raise SystemExit(f"error: two models given: {ns.model_tag!r} and --model {ns.model!r}")
+            ns.model = ns.model_tag
+        if getattr(ns, "threads", None):
+            import torch
+
+            torch.set_num_threads(ns.threads)
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)})

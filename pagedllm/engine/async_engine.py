@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.metrics import EngineMetrics
+from pagedllm.metrics import EngineMetrics, StatsLogger
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -88,15 +88,24 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     outs = [dataclasses.replace(c, token_ids=list(c.token_ids),
                                 logprobs=None if c.logprobs is None else list(c.logprobs))
             for c in out.outputs]
-    return dataclasses.replace(out, outputs=outs)
+    plp = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
+    return dataclasses.replace(out, outputs=outs, prompt_logprobs=plp)
 
 
 class AsyncEngine:
     def __init__(self, engine: Any, metrics: EngineMetrics | None = None, *,
-                 stats_interval: float = 0.05) -> None:
+                 stats_interval: float = 0.05, log_stats_interval: float | None = None,
+                 log_requests: bool = False, log_prompts: bool = False) -> None:
+        """log_stats_interval: seconds between the INFO stats lines (None: none). log_requests: one INFO line
+        per request added (id, prompt length, parameters; the prompt itself only with log_prompts) and
+        finished (finish reasons, lengths)."""
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics(engine.model_name)
         self.stats_interval = stats_interval
+        self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval else None
+        self.log_requests = log_requests
+        self.log_prompts = log_prompts
+        self._token_totals = [0, 0]  # prompt, generation tokens (for the stats line)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # loop thread only
@@ -109,10 +118,10 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any) -> AsyncEngine:
+    def from_engine_args(cls, engine_args: Any, **options: Any) -> AsyncEngine:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(engine_args))
+        return cls(LLMEngine.from_engine_args(engine_args), **options)
 
     # -- read-only facts of the model ---------------------------------------------------------------------
     @property
@@ -127,9 +136,13 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    @property
+    def generation_defaults(self) -> dict:
+        return getattr(self.engine, "generation_defaults", {})
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> str:
         # Pure function of the tokenizer: safe to call outside the loop thread.
-        return self.engine.apply_chat_template(messages, tools)
+        return self.engine.apply_chat_template(messages, **kwargs)
 
     async def compile_grammar(self, structured_outputs: Any) -> None:
         """Compile a request's constraint (or find it cached) on the engine's compile thread, so that an invalid
@@ -305,11 +318,19 @@ class AsyncEngine:
         if not t.counted_prompt:
             t.counted_prompt = True
             m.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._token_totals[0] += len(out.prompt_token_ids)
+        if out.finished:
+            m.observe_finished(out)
+            if self.log_requests:
+                logger.info("Finished request %s: finish_reason=%s, prompt %d tokens, output %s tokens",
+                            out.request_id, [c.finish_reason for c in out.outputs], len(out.prompt_token_ids),
+                            [len(c.token_ids) for c in out.outputs])
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         new = num_tokens - t.num_tokens
         if new <= 0:
             return
         t.num_tokens = num_tokens
+        self._token_totals[1] += new
         m.generation_tokens.inc(new)
         if t.first_token_time is None:
             t.first_token_time = now
@@ -328,6 +349,11 @@ class AsyncEngine:
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
             return
+        if self.log_requests:
+            state = self.engine.requests.get(rid)
+            logger.info("Added request %s: prompt %d tokens, params %s%s", rid,
+                        len(state.prompt_token_ids) if state is not None else -1, params,
+                        f", prompt {prompt!r}" if self.log_prompts else "")
         self._tracked[rid] = _Tracked(stream.loop, stream.queue, arrival)
         stream.loop.call_soon_threadsafe(_set_result, stream.accepted, None)
 
@@ -343,7 +369,8 @@ class AsyncEngine:
         except Exception:
             logger.exception("abort of %s failed", request_id)
         if tracked is not None:
-            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
+            with contextlib.suppress(RuntimeError):  # the consumer's event loop is gone: nobody to tell
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, error)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._tracked):
@@ -363,6 +390,8 @@ class AsyncEngine:
             return
         self._stats = stats
         self.metrics.update_engine_stats(stats, stats["num_running"], stats["num_waiting"])
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(stats, *self._token_totals, now=now)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -13,8 +13,13 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
+from pagedllm.engine.chat_template import render_chat_template
+from pagedllm.engine.generation_config import generation_defaults
+from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SamplingPlan
+from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
 from pagedllm.model.config import check_token_ids
+from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import RequestOutput
@@ -31,8 +36,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         dtype = resolve_dtype(args.dtype)
-        loaded = load_model(args.model, dtype)
+        self.model_path = resolve_model_path(args.model)
+        loaded = load_model(self.model_path, dtype)
         self.args = args
+        self.generation_defaults = generation_defaults(self.model_path, args.generation_config)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -78,18 +85,22 @@ class LLMEngine:
         check_token_ids(ids, self.model_config.vocab_size)
         return ids
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs."""
+        return render_chat_template(self.tokenizer, messages, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
+        params.prepare(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         max_tokens = self.scheduler.check_fits(len(ids), params.max_tokens)
+        if params.prompt_logprobs is not None:
+            cache_salt = no_cache_salt(request_id, cache_salt)
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens,
                              cache_salt)
         if params.structured_outputs is not None:
@@ -155,6 +166,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return failed_grammars
+        self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
         self._slot_samples[0] += self.kv.used_slots
         self._slot_samples[1] += self.kv.num_used_blocks() * self.kv.block_size
         logits, failed = self._execute_isolating_faults(out)
@@ -176,7 +188,11 @@ class LLMEngine:
 
     def _run(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         block_tables = [self.kv.get_block_ids(s.request) for s in scheduled]
-        return self.runner.execute(scheduled, block_tables, block_copies)
+        logits = self.runner.execute(scheduled, block_tables, block_copies)
+        if self.output_processor.num_prompt_logprobs:
+            collect_prompt_logprobs(self.runner.model, self.runner.last_hidden, scheduled,
+                                    self.output_processor.prompt_logprobs_of, self.output_processor.decode_one)
+        return logits
 
     def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
         """Run the step; if it fails, rerun its requests in halves (K/V writes are idempotent: same tokens,
@@ -234,6 +250,7 @@ class LLMEngine:
     def kv_cache_stats(self) -> dict:
         stats = dict(self.kv.stats())
         stats["num_preemptions"] = self.scheduler.num_preemptions
+        stats["num_cached_free_blocks"] = num_cached_free_blocks(self.kv)  # free, still holding a prefix
         used, allocated = self._slot_samples  # sampled at every step, after scheduling
         stats["mean_slot_utilisation"] = used / allocated if allocated else 0.0
         return stats

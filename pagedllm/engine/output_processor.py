@@ -8,6 +8,7 @@ Naming: a user request is a `RequestState`; each of its n samples is a `SampleSt
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import SamplerOutput, SamplingRow
 
@@ -63,6 +64,8 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None
     grammar: Future | None = None  # structured outputs: the compiled grammar
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled while the prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -71,7 +74,8 @@ class RequestState:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.samples], self.finished,
-                             self.samples[0].request.num_cached_tokens, self.error)
+                             self.samples[0].request.num_cached_tokens, self.error, self.metrics,
+                             self.prompt_logprobs)
 
 
 @dataclass
@@ -106,6 +110,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # core request id -> its sample
         self.spec_stats = SpecDecodeStats()
+        self.num_prompt_logprobs = 0  # live requests that asked for prompt_logprobs
 
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, state: RequestState, arrival_time: float | None) -> Request:
@@ -113,6 +118,10 @@ class OutputProcessor:
         req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        state.metrics = RequestMetrics(req.arrival_time)
+        if state.params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(state.prompt_token_ids)
+            self.num_prompt_logprobs += 1
         self._add_sample(state, req)
         self.requests[state.request_id] = state
         return req
@@ -120,7 +129,8 @@ class OutputProcessor:
     def _add_sample(self, state: RequestState, req: Request) -> SampleState:
         p, index = state.params, len(state.samples)
         gen = None if p.seed is None else torch.Generator().manual_seed(p.seed + index)
-        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                       p.include_stop_str_in_output)
         sample = SampleState(req, index, detok, gen, [] if p.logprobs is not None else None)
         state.samples.append(sample)
         self._samples[req.request_id] = (state, sample)
@@ -128,6 +138,19 @@ class OutputProcessor:
 
     def sample_of(self, request: Request) -> tuple[RequestState, SampleState] | None:
         return self._samples.get(request.request_id)
+
+    def prompt_logprobs_of(self, request: Request) -> tuple[int, list] | None:
+        """(k, entries to fill) when `request` is the first sample of a request that asked for prompt_logprobs."""
+        found = self._samples.get(request.request_id)
+        if found is None or found[0].prompt_logprobs is None or found[1].index != 0:
+            return None
+        return found[0].params.prompt_logprobs, found[0].prompt_logprobs
+
+    def mark_scheduled(self, scheduled: list[ScheduledRequest], now: float) -> None:
+        for s in scheduled:
+            found = self._samples.get(s.request.request_id)
+            if found is not None and found[0].metrics.first_scheduled_time is None:
+                found[0].metrics.first_scheduled_time = now
 
     def abort(self, request_id: str, error: str | None = None) -> RequestState | None:
         """Finish every sample of a request (freeing its blocks) and forget it."""
@@ -141,6 +164,8 @@ class OutputProcessor:
         return state
 
     def _release(self, state: RequestState, status: RequestStatus) -> None:
+        if state.prompt_logprobs is not None:
+            self.num_prompt_logprobs -= 1
         self.scheduler.finish_requests([s.request for s in state.samples if not s.request.status.is_finished],
                                        status)
         for s in state.samples:
@@ -195,7 +220,13 @@ class OutputProcessor:
                 logger.exception("request %s failed", state.request_id)
                 state.error = f"{type(e).__name__}: {e}"
         outputs = []
+        now = time.monotonic()
         for state in touched.values():
+            m = state.metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            if state.error or state.finished:
+                m.finished_time = now
             if state.error:
                 self.abort(state.request_id)
             elif state.finished:
@@ -232,18 +263,18 @@ class OutputProcessor:
         req.append_output_token(token)
         if sample.logprobs is not None:
             sample.cumulative_logprob += sampled.logprobs[r]
-            entry = {token: Logprob(sampled.logprobs[r], sampled.ranks[r], self._decode_one(token))}
+            entry = {token: Logprob(sampled.logprobs[r], sampled.ranks[r], self.decode_one(token))}
             k = state.params.logprobs or 0
             for rank, (tid, lp) in enumerate(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k],
                                                  strict=True) if k else (), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+                entry.setdefault(tid, Logprob(lp, rank, self.decode_one(tid)))
             sample.logprobs.append(entry)
         p = state.params
         if token in p.stop_token_ids:
             sample.finish_reason, sample.stop_reason = "stop", token
         elif not p.ignore_eos and token in self.eos_token_ids:
             sample.finish_reason = "stop"
-        elif (stop := sample.detokenizer.add_token(token)) is not None:
+        elif (stop := sample.detokenizer.add_token(token, req.num_output_tokens >= p.min_tokens)) is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
         elif sample.matcher is not None and sample.matcher.is_terminated():
             sample.finish_reason = "stop"  # the grammar is complete: nothing but a stop token could follow
@@ -255,5 +286,5 @@ class OutputProcessor:
         self.scheduler.finish_requests([req], status)
         return True
 
-    def _decode_one(self, token_id: int) -> str:
+    def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

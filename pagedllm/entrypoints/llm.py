@@ -12,16 +12,26 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": [...]}
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    if len(keys) != 1:
+        raise ValueError(f"prompt: a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids', "
+                         f"got keys {sorted(prompt)}")
+    return prompt[keys.pop()]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, str | dict):
+        return [_unwrap(prompts)]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
-    return prompts
+    return [_unwrap(p) for p in prompts]
 
 
 class LLM:
@@ -32,12 +42,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended defaults (--generation-config), as vLLM's."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -59,12 +73,20 @@ class LLM:
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True,
+                   postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        tokens_in = tokens_out = 0
         try:
             while any(r is None for r in results):
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        tokens_in += len(out.prompt_token_ids)
+                        tokens_out += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        # as vLLM's bar: tokens of the finished requests over the time so far
+                        bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
+                                            f"output: {tokens_out / elapsed:.2f} toks/s", refresh=False)
                         bar.update(1)
         except BaseException:
             self.engine.abort_request(list(order))
@@ -77,7 +99,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        prompts: list[Prompt] = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):

@@ -13,7 +13,7 @@ from pagedllm.kernels.paged_attention import paged_attention
 __all__ = ["batch_invariant", "build_variant", "kernel_op", "load_ops", "paged_attention", "set_batch_invariant",
            "small_gemm_max_rows"]
 
-_batch_invariant = False
+_batch_invariant = True
 
 
 def set_batch_invariant(enabled: bool) -> None:

@@ -14,9 +14,10 @@ if TYPE_CHECKING:  # the kernels sit below attention/: the type only
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, portable: bool = False, min_items: int = 0, invariant: bool | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of q [T,Hq,D] over the paged context described by meta (K/V already written). -> [T,Hq,D].
-    invariant: batch-invariant arithmetic (None: the process-wide mode, kernels.batch_invariant())."""
+    invariant: batch-invariant arithmetic (None: the process-wide mode, kernels.batch_invariant()).
+    window: each query sees only its `window` most recent keys, itself included (None: all of them)."""
     if invariant is None:
         from pagedllm.kernels import batch_invariant
 
@@ -27,7 +28,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     ops.paged_attention(out, q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.seq_lens),
-                        _int32(meta.query_start_loc), float(scale), int(portable) | int(invariant) << 1, int(min_items))
+                        _int32(meta.query_start_loc), float(scale), int(portable) | int(invariant) << 1, int(min_items),
+                        int(window or 0))
     return out
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.model import registry
 from pagedllm.model.registry import UnsupportedModelError
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors")  # freq_factors: GGUF rope_freqs
 
@@ -33,7 +30,11 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v (Qwen2, Llama with attention_bias)
     o_bias: bool = False  # bias on the output projection (Llama with attention_bias)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # tokens a windowed layer attends to (itself included)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention"; None: all the same
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma); None: head_dim
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
@@ -45,6 +46,20 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported; supported: "
                                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to its whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def features(self) -> set[str]:
         """The optional features this checkpoint uses (registry names), checked against its architecture's."""
@@ -52,8 +67,8 @@ class ModelConfig:
                 registry.TIED_EMBEDDINGS: self.tie_word_embeddings,
                 registry.ROPE_SCALING: self.rope_scaling is not None,
                 # a window no context can exceed changes nothing
-                registry.SLIDING_WINDOW: (self.sliding_window or self.max_position_embeddings)
-                < self.max_position_embeddings}
+                registry.SLIDING_WINDOW: any((self.layer_window(i) or self.max_position_embeddings)
+                                             < self.max_position_embeddings for i in range(self.num_layers))}
         return {name for name, on in used.items() if on}
 
     @property
@@ -86,34 +101,38 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     spec = registry.spec_for_hf(cfg.get("architectures") or [], cfg.get("model_type"))
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
-    # transformers 5 puts theta and scaling in rope_parameters; 4.x uses rope_theta + rope_scaling
+    # transformers 5 puts theta and scaling in rope_parameters (per layer type for Gemma 3); 4.x uses rope_theta +
+    # rope_scaling (+ rope_local_base_freq)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
+    local_rope = dict(rope.pop("sliding_attention", None) or {})
+    rope = dict(rope.pop("full_attention", None) or rope)
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    local_theta = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
+    scaling = _rope_scaling(rope)
+    if _rope_scaling(local_rope):
+        raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
+    if cfg.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("attention logit softcapping is not supported")
     sliding = cfg.get("sliding_window")
     if spec.window_switch and not cfg.get(spec.window_switch, False):
         sliding = None
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types") if sliding else None
+    if sliding and layer_types is None:
+        layer_types = _default_layer_types(cfg, spec, num_layers)
     eos = _eos_list((generation_config or {}).get("eos_token_id")) or _eos_list(cfg.get("eos_token_id"))
-    max_pos = int(cfg.get("max_position_embeddings", 2048))
-    if sliding and int(sliding) < max_pos and registry.SLIDING_WINDOW not in spec.supports:
-        # attention here is always full: it equals sliding-window attention only while contexts fit the window
-        logger.warning("sliding_window=%d is not implemented; capping the context at %d tokens to stay exact",
-                       int(sliding), int(sliding))
-        max_pos = int(sliding)
     config = ModelConfig(
         architecture=spec.name,
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab_size=int(cfg["vocab_size"]),
-        max_position_embeddings=max_pos,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -122,8 +141,35 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         o_bias=not spec.always_qkv_bias and bool(cfg.get("attention_bias", False)),
         qk_norm=spec.always_qk_norm,
         sliding_window=int(sliding) if sliding else None,
+        layer_types=list(layer_types) if layer_types else None,
+        rope_local_theta=float(local_theta) if local_theta is not None else None,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
     )
     spec.check_features(config.features())
     return config
+
+
+def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    rope = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return rope if rope.get("rope_type", "default") != "default" else None
+
+
+def _default_layer_types(cfg: dict[str, Any], spec: registry.ArchSpec, num_layers: int) -> list[str] | None:
+    """Which layers slide, for config.json files that do not list layer_types (transformers 4.x)."""
+    pattern = cfg.get("sliding_window_pattern") or spec.sliding_window_pattern
+    if pattern:
+        return pattern_layer_types(num_layers, pattern)
+    if spec.window_switch:  # Qwen: layers from max_window_layers on slide
+        first = int(cfg.get("max_window_layers", num_layers))
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return None  # Mistral: every layer slides
+
+
+def pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+    """Every pattern-th layer global, the others sliding (Gemma 3: five local layers, then one global)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.model import registry
-from pagedllm.model.config import ModelConfig, UnsupportedModelError
+from pagedllm.model.config import ModelConfig, UnsupportedModelError, pattern_layer_types
 
 # ggml type id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -202,6 +202,10 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif get("rope.scaling.type") not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+    if get("attn_logit_softcapping"):
+        raise UnsupportedModelError("attention logit softcapping is not supported")
+    window = get("attention.sliding_window")
+    pattern = spec.sliding_window_pattern
     eos = [m[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in m]
     config = ModelConfig(
         architecture=spec.name,
@@ -219,6 +223,10 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        sliding_window=int(window) if window else None,
+        layer_types=pattern_layer_types(num_layers, pattern) if window and pattern else None,
+        rope_local_theta=spec.gguf_rope_local_theta,
+        final_logit_softcapping=get("final_logit_softcapping"),
         eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
         bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
     )
@@ -231,10 +239,14 @@ _PERMUTED_Q, _PERMUTED_K = ".attn_q.weight", ".attn_k.weight"
 
 
 def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(GGUF name, dequantised tensor) pairs, Q/K rows back in the HF (rotate-half) order."""
-    permuted = registry.spec(cfg.architecture).gguf_permuted_qk
+    """(GGUF name, dequantised tensor) pairs, Q/K rows back in the HF (rotate-half) order, norm weights back to
+    what HF checkpoints store."""
+    spec = registry.spec(cfg.architecture)
+    permuted = spec.gguf_permuted_qk
     for name, info in f.tensors.items():
         w = dequantize(f, info)
+        if spec.gguf_norm_shift and name.endswith("norm.weight"):
+            w = w.float() - spec.gguf_norm_shift
         if permuted and name.endswith(_PERMUTED_Q):
             w = _unpermute(w, cfg.num_heads)
         elif permuted and name.endswith(_PERMUTED_K):

@@ -10,48 +10,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.kernels import batch_invariant
 from pagedllm.model import registry
+from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.layers import RMSNorm, RotaryEmbedding, apply_rope, bf16_kernel_op, frozen_param, linear
+from pagedllm.model.kv_cache import KVCache
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding, bf16_kernel_op
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod | None = None):
-        super().__init__()
-        self.cfg = cfg
-        self.qkv = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype, method)
-        self.o = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, method)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-        self.scale = cfg.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        c = self.cfg
-        qkv = self.qkv(x)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)
-        k = k.view(-1, c.num_kv_heads, c.head_dim)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o(out.reshape(-1, c.q_size))
-
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod | None = None,
+                 window: int | None = None):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype, method)
+        self.attn = Attention(cfg, dtype, method, window=window)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, method)
 
@@ -80,35 +55,18 @@ class DecoderLayer(nn.Module):
         return self._weights_for_op
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", linear_method: LinearMethod | None = None):
-        super().__init__()
-        self.config = cfg
-        self.dtype = dtype
-        self.embed = frozen_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, linear_method) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
-                                                                   linear_method)
+        super().__init__(cfg, dtype, attention_backend, linear_method)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, linear_method, cfg.layer_window(i))
+                                    for i in range(cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.set_attention_backend(attention_backend)
         self.fused_layers = True  # one C++ call per layer for bf16 batches where the kernels allow
         # ... and where the architecture declares that its layer is the fused one, the config uses nothing the
         # fused op lacks, and every linear keeps a dense weight the op can read
         self._fused_capable = (registry.spec(cfg.architecture).runs_fused_layer(cfg.features())
                                and all(m.method.runs_fused_layer for m in self.modules() if isinstance(m, Linear)))
-
-    def set_attention_backend(self, backend: AttentionBackend | str) -> None:
-        """A backend object, or a name resolved on first use (so that loading never builds a kernel the engine
-        is about to replace)."""
-        self._attn_backend = backend
-
-    @property
-    def attn_backend(self) -> AttentionBackend:
-        if isinstance(self._attn_backend, str):
-            self._attn_backend = get_backend(self._attn_backend)
-        return self._attn_backend
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -128,19 +86,8 @@ class LlamaForCausalLM(nn.Module):
         """The fused decoder-layer op when this model and batch can use it (a capable architecture and config,
         bf16 weights and KV, the C++ attention kernel as backend, a CPU with avx512_bf16), else None."""
         # (not in batch-invariant mode: the fused layer's GEMMs switch kernels with the row count)
-        if not (self.fused_layers and not batch_invariant() and self._fused_capable and h.dtype == torch.bfloat16 and h.shape[0] > 0
-                and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
+        if not (self.fused_layers and self._fused_capable and not batch_invariant() and h.dtype == torch.bfloat16
+                and h.shape[0] > 0 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
                 and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None
         return bf16_kernel_op("decoder_layer_bf16")
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V], into `out` when given."""
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        elif out is not None and hidden.dtype == torch.float32 and not batch_invariant():
-            return torch.mm(hidden, self.embed.t(), out=out)
-        else:
-            logits = linear(hidden, self.embed)
-        return logits.float() if out is None else out.copy_(logits)

@@ -38,6 +38,9 @@ class ArchSpec:
     always_qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     window_switch: str | None = None  # config.json key that turns sliding_window on (Qwen: use_sliding_window)
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaved the Q/K rope pairs
+    gguf_norm_shift: float = 0.0  # llama.cpp's converter stored norm weights plus this (Gemma: 1 + w)
+    sliding_window_pattern: int | None = None  # every n-th layer global, where a checkpoint does not list them
+    gguf_rope_local_theta: float | None = None  # RoPE base of sliding layers (GGUF files do not store it)
 
     def model_cls(self) -> type:
         module, cls = self.model_class.split(":")
@@ -56,7 +59,8 @@ class ArchSpec:
 _LLAMA_HF, _LLAMA_GGUF = weight_names.by_format(weight_names.LLAMA)
 _LLAMA_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", hf_names=_LLAMA_HF,
                      gguf_names=_LLAMA_GGUF, fused_layer=True,
-                     supports=frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING}))
+                     supports=frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}))
+_GEMMA3_HF, _GEMMA3_GGUF = weight_names.by_format(weight_names.GEMMA3)
 
 ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
     ArchSpec("llama", hf_architectures=("LlamaForCausalLM",), gguf_architectures=("llama",),
@@ -67,6 +71,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
              always_qkv_bias=True, window_switch="use_sliding_window", **_LLAMA_FAMILY),
     ArchSpec("qwen3", hf_architectures=("Qwen3ForCausalLM",), gguf_architectures=("qwen3",),
              always_qk_norm=True, window_switch="use_sliding_window", **_LLAMA_FAMILY),
+    ArchSpec("gemma3", model_class="pagedllm.model.gemma3:Gemma3ForCausalLM", hf_architectures=("Gemma3ForCausalLM",),
+             gguf_architectures=("gemma3",), hf_names=_GEMMA3_HF, gguf_names=_GEMMA3_GGUF,
+             supports=frozenset({QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}), always_qk_norm=True,
+             gguf_norm_shift=1.0, sliding_window_pattern=6, gguf_rope_local_theta=10000.0),
 )}
 
 

@@ -14,22 +14,18 @@ Target = str | tuple[str, int]
 Q, K, V = 0, 1, 2  # shards of attn.qkv
 GATE, UP = 0, 1  # shards of mlp.gate_up
 
-# ---- Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) --------------------------------------------------------
 # (HF safetensors name, GGUF name, our parameter)
-LLAMA: list[tuple[str, str, Target]] = [
+Row = tuple[str, str, Target]
+
+# what every family here shares: embeddings, final norm, output head, attention and MLP projections
+_COMMON: list[Row] = [
     ("model.embed_tokens.weight", "token_embd.weight", "embed"),
     ("model.norm.weight", "output_norm.weight", "norm.weight"),
     ("lm_head.weight", "output.weight", "lm_head.weight"),
-    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", "layers.{i}.post_norm.weight"),
     ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight", ("layers.{i}.attn.qkv.weight", Q)),
     ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight", ("layers.{i}.attn.qkv.weight", K)),
     ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight", ("layers.{i}.attn.qkv.weight", V)),
-    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", ("layers.{i}.attn.qkv.bias", Q)),
-    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", ("layers.{i}.attn.qkv.bias", K)),
-    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", ("layers.{i}.attn.qkv.bias", V)),
     ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight", "layers.{i}.attn.o.weight"),
-    ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", "layers.{i}.attn.o.bias"),
     ("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", "layers.{i}.attn.q_norm.weight"),
     ("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", "layers.{i}.attn.k_norm.weight"),
     ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", ("layers.{i}.mlp.gate_up.weight", GATE)),
@@ -37,8 +33,29 @@ LLAMA: list[tuple[str, str, Target]] = [
     ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight", "layers.{i}.mlp.down.weight"),
 ]
 
+# Llama, Mistral, Qwen2, Qwen3, SmolLM2: pre-norm layers, optional attention biases
+LLAMA: list[Row] = _COMMON + [
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", "layers.{i}.post_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", ("layers.{i}.attn.qkv.bias", Q)),
+    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", ("layers.{i}.attn.qkv.bias", K)),
+    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", ("layers.{i}.attn.qkv.bias", V)),
+    ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", "layers.{i}.attn.o.bias"),
+]
 
-def by_format(rows: list[tuple[str, str, Target]]) -> tuple[dict[str, Target], dict[str, Target]]:
+# Gemma 3: norms before and after both attention and MLP (HF's "post_attention_layernorm" is not Llama's)
+GEMMA3: list[Row] = _COMMON + [
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight",
+     "layers.{i}.post_attn_norm.weight"),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "blk.{i}.ffn_norm.weight",
+     "layers.{i}.pre_mlp_norm.weight"),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight",
+     "layers.{i}.post_mlp_norm.weight"),
+]
+
+
+def by_format(rows: list[Row]) -> tuple[dict[str, Target], dict[str, Target]]:
     """(HF name -> target, GGUF name -> target)."""
     return {hf: t for hf, _, t in rows}, {gguf: t for _, gguf, t in rows}
 

@@ -13,7 +13,7 @@ from pagedllm.model.kv_cache import allocate_kv_caches
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = False) -> None:
+                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
         self.block_size = block_size
@@ -24,8 +24,8 @@ class ModelRunner:
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).
-        self._logits = torch.empty(0)
         self.vocab_size = config.vocab_size
+        self._logits = torch.empty(0, self.vocab_size)  # 2-D even when empty: a step may sample no row
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]],
@@ -47,6 +47,7 @@ class ModelRunner:
         meta = build_attention_metadata(block_tables, num_computed, num_new, self.block_size, positions)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
                             self.kv_caches, meta)
+        self.last_hidden = hidden  # every new token's hidden state, in scheduled order (prompt_logprobs)
         if self._logits.shape[0] < len(logit_rows):
             self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32)
         rows = torch.tensor(logit_rows, dtype=torch.int64)

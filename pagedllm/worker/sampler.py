@@ -85,6 +85,51 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def _has_rules(p: SamplingParams) -> bool:
+    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or p.min_tokens)
+
+
+def _banned_tokens(r: SamplingRow) -> list[int]:
+    """Tokens this row may not sample now: EOS / stop ids before min_tokens, the last token of a bad word
+    whose other tokens were just generated."""
+    p, out = r.params, r.output_token_ids
+    banned = []
+    if len(out) < p.min_tokens:
+        banned += p.stop_token_ids
+        if not p.ignore_eos:
+            banned += p.eos_token_ids
+    for word in p.bad_words_token_ids:
+        head = word[:-1]
+        if len(out) >= len(head) and (not head or out[len(out) - len(head):] == head):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_logit_rules(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias, allowed_token_ids, bad_words and min_tokens, row by row for the rows that have any (a few
+    index ops each, never a loop over the vocabulary)."""
+    if not any(_has_rules(r.params) for r in rows):
+        return logits
+    logits = logits.clone()
+    for i, r in enumerate(rows):
+        p = r.params
+        if not _has_rules(p):
+            continue
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype).clamp_(-100.0, 100.0)
+            logits[i].index_add_(0, ids, bias)
+        if p.allowed_token_ids:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+            allowed = logits[i, keep]
+            logits[i] = float("-inf")
+            logits[i, keep] = allowed
+        banned = _banned_tokens(r)
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+    return logits
+
+
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row picks the token whose cumulative mass first exceeds it.
     (One cumsum and one search per row: torch.multinomial and exponential noise do more work per row over a
@@ -144,7 +189,7 @@ class Sampler:
         # when some request asked for them.
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-        logits = apply_penalties(logits, rows)
+        logits = apply_penalties(apply_logit_rules(logits, rows), rows)
         if token_bitmask is not None and token_bitmask.rows:
             apply_token_bitmask(logits, token_bitmask)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from typing import Any, Literal
 
@@ -9,12 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import SamplingParams
 
+try:
+    VERSION = importlib.metadata.version("pagedllm")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "0+unknown"
+SYSTEM_FINGERPRINT = f"pagedllm-{VERSION}"
 MAX_N = 128  # as OpenAI: each sample holds its own blocks once it diverges
 
 
 class OpenAIModel(BaseModel):
-    # Unknown request fields are an error (as with OpenAI), so that typos do not pass silently.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown request fields are accepted and ignored (the server logs their names once), as vLLM does:
+    # clients such as LangChain and newer SDKs send fields we do not know.
+    model_config = ConfigDict(extra="allow")
 
 
 # --- errors and models ---------------------------------------------------------------------------------------
@@ -45,6 +52,7 @@ class ModelList(BaseModel):
 # --- shared pieces -------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far in every chunk
 
 
 class PromptTokensDetails(BaseModel):
@@ -80,8 +88,8 @@ class _SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     # extras (vLLM names)
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -93,20 +101,35 @@ class _SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    request_id: str | None = None  # the response id (vLLM); random when not given
+    priority: int = 0  # accepted; requests are served first come, first served
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the parameter when a value is out of range."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Fields the request leaves out take the model's defaults (--generation-config), then vLLM's.
+        Raises ValueError naming the parameter when a value is out of range."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+             **(defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return d[name] if value is None else value
+
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p,
-            max_tokens=max_tokens,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            max_tokens=d.get("max_tokens") if max_tokens is None else max_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -114,13 +137,24 @@ class _SamplingFields(OpenAIModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # --- /v1/completions -----------------------------------------------------------------------------------------
@@ -132,14 +166,14 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("logprobs is not supported together with echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class CompletionLogprobs(BaseModel):
@@ -149,12 +183,16 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]  # vLLM's: per prompt token {token id: {logprob, ...}}
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -162,6 +200,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -171,6 +210,7 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -218,8 +258,19 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
+    # chat template controls (vLLM names)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
-    def to_sampling_params(self) -> SamplingParams:
+    def template_options(self, default_template: str | None = None) -> dict[str, Any]:
+        return {"chat_template": self.chat_template or default_template,
+                "chat_template_kwargs": self.chat_template_kwargs,
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.functions or self.function_call:
             raise ValueError("functions is not supported (use tools)")
         if self.modalities and set(self.modalities) != {"text"}:
@@ -228,7 +279,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
 
 class ChatLogprobTop(BaseModel):
@@ -275,8 +326,10 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -298,5 +351,6 @@ class ChatCompletionStreamResponse(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None

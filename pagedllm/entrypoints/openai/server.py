@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hmac
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -12,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -20,6 +22,7 @@ from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.kv_page import add_kv_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,24 +31,32 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.metrics import CONTENT_TYPE_LATEST
+from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
+from pagedllm.metrics import CONTENT_TYPE_LATEST, startup_summary
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
-class ApiKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <key>`; checked before the body is even parsed."""
+PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engine's state
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Every /v1 route (and POST /reset_prefix_cache) needs `Authorization: Bearer <key>` with one of the keys;
+    checked before the body is even parsed."""
+
+    def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else api_key
+        self.expected = [f"Bearer {k}".encode() for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in PROTECTED_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            # compare with every key (no early exit) so that timing tells nothing about which one came close
+            if not any([hmac.compare_digest(given, k) for k in self.expected]):
                 err = OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                   code="invalid_api_key")
                 await err.response()(scope, receive, send)
@@ -62,23 +73,34 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         param = param or (loc[0] if loc else None)
         parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-    return OpenAIError(422, "; ".join(parts), param=param, code="invalid_request")
+    return OpenAIError(400, "; ".join(parts), param=param, code="invalid_value")
 
 
-def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
-              served_model_name: str | None = None, owns_engine: bool | None = None) -> FastAPI:
-    """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app);
-    given an AsyncEngine (or another client with its interface, e.g. the data-parallel one), the caller owns
-    it (the app only starts it) unless owns_engine=True."""
+def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None = None,
+              served_model_name: str | list[str] | None = None, owns_engine: bool | None = None, *,
+              allowed_origins: list[str] | None = None, chat_template: str | None = None,
+              **engine_options: Any) -> FastAPI:
+    """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
+    engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
+    another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
+    unless owns_engine=True. served_model_name: the ids clients may use (the first is reported).
+    chat_template: template text used when a request names none. allowed_origins: CORS."""
     if owns_engine is None:
         owns_engine = isinstance(engine, EngineArgs)
-    async_engine = AsyncEngine.from_engine_args(engine) if isinstance(engine, EngineArgs) else engine
-    name = served_model_name or async_engine.model_name
-    completion = OpenAIServingCompletion(async_engine, name)
-    chat = OpenAIServingChat(async_engine, name)
+    async_engine = (AsyncEngine.from_engine_args(engine, **engine_options) if isinstance(engine, EngineArgs)
+                    else engine)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [async_engine.model_name]
+    name = names[0]
+    completion = OpenAIServingCompletion(async_engine, names)
+    chat = OpenAIServingChat(async_engine, names)
+    tokens = OpenAIServingTokens(async_engine, names)
+    chat.default_chat_template = tokens.default_chat_template = chat_template
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if isinstance(async_engine, AsyncEngine):  # (the data-parallel client logs its replicas itself)
+            logger.info("serving %s as %s: %s", async_engine.model_name, names, startup_summary(async_engine.engine))
         async_engine.start()
         try:
             yield
@@ -91,6 +113,10 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
     app.state.served_model_name = name
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        # outermost, so that preflight requests (no Authorization header) are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -125,12 +151,12 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, max_model_len=async_engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=n, max_model_len=async_engine.max_model_len) for n in names])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         completion.check_model(model_id)
-        return ModelCard(id=name, max_model_len=async_engine.max_model_len)
+        return ModelCard(id=model_id if model_id in names else name, max_model_len=async_engine.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -140,21 +166,57 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | None = None,
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
 
+    add_extra_routes(app, tokens)
+    if isinstance(async_engine, AsyncEngine):  # the KV map shows one engine's pool
+        add_kv_routes(app, async_engine)
     return app
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help=f"require this bearer key on /v1 (or env {API_KEY_ENV})")
-    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"require `Authorization: Bearer KEY` on /v1 and /reset_prefix_cache; repeat for "
+                             f"several keys (or env {API_KEY_ENV})")
+    parser.add_argument("--served-model-name", action="extend", nargs="+", default=None,
+                        help="model ids clients may use; the first is reported (default: the model's name)")
+    parser.add_argument("--allowed-origins", action="extend", nargs="+", default=None, type=_origins,
+                        help="CORS origins allowed to call the API (JSON list or space-separated; '*' for any)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file (or the template text) instead of the model's")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's id, prompt length, parameters and finish reasons")
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="with --enable-log-requests, log the prompt text too")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, queue, KV usage, prefix hits)")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's own log level")
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True, threads=False)  # --threads comes with the next
     DataParallelArgs.add_cli_args(parser)
     return parser
+
+
+def _origins(value: str) -> list[str]:
+    """A JSON list (vLLM's form) or one origin."""
+    if value.lstrip().startswith("["):
+        return list(json.loads(value))
+    return [value]
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file, or the template itself when it looks like one."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" in value:
+        return value
+    raise SystemExit(f"error: --chat-template: no such file: {value}")
 
 
 def serve_main(args: argparse.Namespace) -> None:
@@ -164,14 +226,19 @@ def serve_main(args: argparse.Namespace) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op if set
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    env_key = os.environ.get(API_KEY_ENV)
+    api_keys = (args.api_key or []) + ([env_key] if env_key else [])
+    origins = [o for group in args.allowed_origins or [] for o in group]
     engine: EngineArgs | Any = EngineArgs.from_cli_args(args)
     dp = DataParallelArgs.from_cli_args(args)
     if dp.enabled:  # N replicas on Ray; only then is Ray imported
         from pagedllm.distributed.client import DataParallelEngine
 
         engine = DataParallelEngine(engine, dp)
-    app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name, owns_engine=True)
+    app = build_app(engine, api_key=api_keys or None, served_model_name=args.served_model_name, owns_engine=True,
+                    allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
+                    log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                    log_requests=args.enable_log_requests, log_prompts=args.log_prompts)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
 

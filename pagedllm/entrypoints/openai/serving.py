@@ -4,6 +4,7 @@ logprobs. The endpoints say only what differs: their prompts, choices and chunks
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -30,6 +31,8 @@ from pagedllm.entrypoints.openai.structured import requested_structure
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
@@ -60,6 +63,13 @@ def usage_of(finals: list[RequestOutput]) -> UsageInfo:
     cached = sum(o.num_cached_tokens for o in finals)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    if out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in out.prompt_logprobs]
 
 
 class LogprobFormatter:
@@ -114,8 +124,10 @@ class Call:
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.params.n + c.index
 
-    def chunk(self, resp: BaseModel) -> str:
+    def chunk(self, resp: BaseModel, usage: UsageInfo | None = None) -> str:
         """One SSE event; OpenAI sends only the delta fields that are set, and usage only when asked."""
+        if usage is not None:
+            resp.usage = usage  # type: ignore[attr-defined]
         d = resp.model_dump(mode="json")
         for choice in d.get("choices", ()):
             if isinstance(choice.get("delta"), dict):
@@ -132,9 +144,20 @@ class OpenAIServing:
     request_params: ClassVar[set[str]]  # the endpoint's field names (errors name them)
     stream_model: ClassVar[type[BaseModel]]  # the endpoint's chunk: id, created, model, choices, usage
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_names: str | list[str]) -> None:
         self.engine = engine
-        self.served_model_name = served_model_name
+        names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
+        self.served_model_names = names or [engine.model_name]
+        self.served_model_name = self.served_model_names[0]
+        self.default_chat_template: str | None = None  # --chat-template; a request's own wins
+        self._warned_fields: set[str] = set()
+
+    def warn_unknown_fields(self, req: BaseModel) -> None:
+        """Unknown fields are ignored; each name is logged once per server, not on every request."""
+        new = sorted(set(req.model_extra or ()) - self._warned_fields)
+        if new:
+            self._warned_fields.update(new)
+            logger.warning("ignoring unknown request fields of %s: %s", type(req).__name__, ", ".join(new))
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def prompts(self, req: Any) -> list[Prompt]:
@@ -163,17 +186,18 @@ class OpenAIServing:
 
     # -- the request's life ---------------------------------------------------------------------------------
     async def create(self, req: Any, raw: Request) -> Response:
+        self.warn_unknown_fields(req)
         self.check_model(req.model)
         try:
-            params = req.to_sampling_params()
+            params = req.to_sampling_params(getattr(self.engine, "generation_defaults", None))
             params.structured_outputs = self.structure(req)
             if params.structured_outputs is not None:
                 await self.engine.compile_grammar(params.structured_outputs)
         except ValueError as e:  # GrammarError included: its message starts with the field at fault
             raise bad_request(e, self.request_params) from e
         prompts = self.prompts(req)
-        call = Call(req, params, random_id(self.id_prefix), req.model or self.served_model_name, prompts,
-                    LogprobFormatter(self.engine.tokenizer, params.logprobs or 0))
+        call = Call(req, params, req.request_id or random_id(self.id_prefix), req.model or self.served_model_name,
+                    prompts, LogprobFormatter(self.engine.tokenizer, params.logprobs or 0))
         streams = await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params)
         if req.stream:
             return StreamingResponse(guarded(self._stream(call, streams), lambda e: engine_error(e).sse()),
@@ -191,22 +215,25 @@ class OpenAIServing:
             yield call.chunk(resp)
         tracker = DeltaTracker(call.params)
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         async for i, out in merge_streams(self.engine, streams):
+            latest[i] = out
             if out.finished:
                 finals[i] = out
+            usage = usage_of(list(latest.values())) if call.req.continuous_usage else None
             for c in out.outputs:
                 index = call.choice_index(i, c)
                 d = tracker.delta(index, c)
                 if d is not None:
                     for resp in self.stream_delta(call, index, c, d):
-                        yield call.chunk(resp)
+                        yield call.chunk(resp, usage)
         if call.include_usage:
             usage = usage_of([finals[i] for i in sorted(finals)])
             yield sse(self.stream_chunk(call, usage=usage).model_dump(mode="json"))
         yield SSE_DONE
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.served_model_name, self.engine.model_name):
+        if model is not None and model not in (*self.served_model_names, self.engine.model_name):
             raise OpenAIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
 
     def check_token_ids(self, ids: list[int]) -> None:

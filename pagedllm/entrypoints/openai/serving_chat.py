@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -18,7 +18,14 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaMessage,
     ToolCall,
 )
-from pagedllm.entrypoints.openai.serving import Call, LogprobFormatter, OpenAIServing, Prompt, usage_of
+from pagedllm.entrypoints.openai.serving import (
+    Call,
+    LogprobFormatter,
+    OpenAIServing,
+    Prompt,
+    prompt_logprobs_json,
+    usage_of,
+)
 from pagedllm.entrypoints.openai.streams import ChoiceDelta
 from pagedllm.entrypoints.openai.structured import (
     ToolPlan,
@@ -59,10 +66,12 @@ class OpenAIServingChat(OpenAIServing):
     def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
         try:
             messages = [m.to_template_dict() for m in req.messages]
-            tools = req.tools if template_supports_tools(self.engine.tokenizer) else None
-            return [self.engine.apply_chat_template(messages, tools)]
+            options = req.template_options(self.default_chat_template)
+            if req.tools and template_supports_tools(self.engine.tokenizer):
+                options["tools"] = req.tools
+            return [self.engine.apply_chat_template(messages, **options)]
         except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages", code="invalid_value") from e
+            raise bad_request(e, self.request_params) from e
         except Exception as e:  # jinja errors of the template (roles must alternate, ...)
             raise OpenAIError(400, f"messages: chat template failed: {e}", param="messages",
                               code="invalid_value") from e
@@ -86,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
                 index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                 logprobs=_logprobs(call.fmt, c, 0, len(c.token_ids)) if call.req.logprobs else None))
         return ChatCompletionResponse(id=call.request_id, created=call.created, model=call.model, choices=choices,
-                                      usage=usage_of(finals))
+                                      usage=usage_of(finals), prompt_logprobs=prompt_logprobs_json(final))
 
     def stream_start(self, call: Call) -> Iterable[ChatCompletionStreamResponse]:
         for i in range(call.params.n):

@@ -12,7 +12,14 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
-from pagedllm.entrypoints.openai.serving import Call, LogprobFormatter, OpenAIServing, Prompt, usage_of
+from pagedllm.entrypoints.openai.serving import (
+    Call,
+    LogprobFormatter,
+    OpenAIServing,
+    Prompt,
+    prompt_logprobs_json,
+    usage_of,
+)
 from pagedllm.entrypoints.openai.streams import ChoiceDelta
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -63,7 +70,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 lp = _logprobs(call.fmt, c, 0, len(c.token_ids), len(prefix))[0] if want_logprobs else None
                 choices.append(CompletionChoice(index=call.choice_index(i, c), text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_logprobs_json(out)))
         choices.sort(key=lambda ch: ch.index)
         return CompletionResponse(id=call.request_id, created=call.created, model=call.model, choices=choices,
                                   usage=usage_of(finals))

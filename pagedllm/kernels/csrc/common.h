@@ -67,9 +67,11 @@ inline __m512 reduce16(const __m512* v) {
 }
 #endif
 
-// paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V (impl 0 = fastest, 1 = portable).
+// paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V (impl 0 = fastest, 1 = portable); window > 0:
+// each query sees only its `window` most recent keys (itself included).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl, int64_t min_items);
+                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl, int64_t min_items,
+                     int64_t window);
 
 // Up to this many rows a bf16 linear runs on the small GEMM (bandwidth-bound: each weight row streamed once for
 // all rows), beyond on oneDNN. Python reads it through the small_gemm_max_rows op.

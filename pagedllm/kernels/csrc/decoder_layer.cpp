@@ -197,7 +197,7 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
     std::memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(Bf16));
   });
   const at::Tensor q = qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
-  pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 0, 0);
+  pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 0, 0, 0);
   linear(attn.view({M, q_size}), o_w, o_b, proj);
   for_rows(M, [&](int64_t m) {  // h += o; then the MLP's norm of the new h
     add_into(hp + m * H, projp + m * H, H);

@@ -95,7 +95,7 @@ using namespace pagedllm::attn;
 // (0 = kItemsPerThread x threads).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl,
-                     int64_t min_items) {
+                     int64_t min_items, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(is_f32(q) || is_bf16(q), "q must be float32 or bfloat16");
@@ -149,14 +149,20 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
       const int64_t blk = p.bt[r * p.maxb + b];
       TORCH_CHECK(blk >= 0 && blk * p.bs < num_slots, "request ", r, ": block id out of range");
     }
-    for (int32_t t0 = 0; t0 < n; t0 += static_cast<int32_t>(tile_tokens)) {
-      const int32_t t1 = std::min<int32_t>(n, t0 + static_cast<int32_t>(tile_tokens));
+    // A sliding window that binds: one token per tile, so that every row of an item has the same window and the
+    // item's key range [k0, k1) is exactly that window (no path needs a per-row lower mask, and keys before it,
+    // whose blocks may have been freed, are never read).
+    const bool slide = window > 0 && len > window;
+    const int32_t tile = slide ? 1 : static_cast<int32_t>(tile_tokens);
+    for (int32_t t0 = 0; t0 < n; t0 += tile) {
+      const int32_t t1 = std::min<int32_t>(n, t0 + tile);
+      const int32_t k0 = slide ? std::max<int32_t>(0, len - n + t0 - static_cast<int32_t>(window) + 1) : 0;
       if (one_item_per_token_row(p, impl, t1 - t0)) {
-        items.push_back({static_cast<int32_t>(r), 0, t0, t1, 0, len - n + t1, -1, static_cast<int32_t>(p.hkv)});
+        items.push_back({static_cast<int32_t>(r), 0, t0, t1, k0, len - n + t1, -1, static_cast<int32_t>(p.hkv)});
         continue;
       }
       for (int32_t h = 0; h < p.hkv; ++h)
-        items.push_back({static_cast<int32_t>(r), h, t0, t1, 0, len - n + t1, -1});
+        items.push_back({static_cast<int32_t>(r), h, t0, t1, k0, len - n + t1, -1});
     }
   }
   if (items.empty()) return;
@@ -176,7 +182,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     const int64_t keys = it.k1 - it.k0;
     int64_t span = keys;
     if (p.invariant) {
-      span = kInvariantSliceKeys;  // it.k0 is 0: the slices start at multiples of the span
+      span = kInvariantSliceKeys;  // slices at fixed offsets from it.k0 (0, or the row's window start)
     } else if (base < want && keys >= kMinKeysToSplit) {
       const int64_t ns = std::min<int64_t>((want + base - 1) / base, keys / kMinKeysPerSlice);
       span = ((keys + ns - 1) / ns + kChunk - 1) / kChunk * kChunk;

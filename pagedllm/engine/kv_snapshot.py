@@ -1,0 +1,46 @@
+"""A picture of the KV block pool for the live map page (GET /kv): who holds each block, which free blocks still
+hold a cached prefix (and how soon the LRU evicts them), which are shared. Built in the engine loop thread
+between two steps; one pass over the blocks and one over the free queue, no tensors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+FREE, CACHED = -1, -2  # cell codes; a code >= 0 is an index into "requests"
+
+
+def num_cached_free_blocks(kv: Any) -> int:
+    """Free blocks that still hold a cached prefix (evictable, reusable on a hit)."""
+    return sum(1 for b in kv.block_pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+
+
+def kv_snapshot(engine: Any) -> dict[str, Any]:
+    """JSON-ready: cells[i] = FREE | CACHED | request index; pos[i] = the block's index in that request's table
+    (its tokens are pos*block_size ..); age[i] = place in the eviction order (0 = next) for free blocks;
+    shared = ids of blocks with ref count > 1; stats = kv_cache_stats() of the same moment."""
+    t0 = time.perf_counter()
+    kv = engine.kv
+    pool = kv.block_pool
+    n = pool.num_blocks
+    cells = [FREE] * n
+    pos = [0] * n
+    age = [0] * n
+    requests = []
+    for rid, state in kv._requests.items():
+        idx = len(requests)
+        requests.append({"id": rid, "num_tokens": state.num_tokens, "num_blocks": len(state.blocks)})
+        for j, b in enumerate(state.blocks):
+            if cells[b.block_id] < 0:  # a shared block is drawn in its first holder's colour
+                cells[b.block_id] = idx
+                pos[b.block_id] = j
+    for rank, b in enumerate(pool.free_block_queue):
+        age[b.block_id] = rank
+        if b.block_hash is not None:
+            cells[b.block_id] = CACHED
+    shared = [b.block_id for b in pool.blocks if b.ref_cnt > 1]
+    stats = engine.kv_cache_stats()
+    return {"num_blocks": n, "block_size": kv.block_size, "cells": cells, "pos": pos, "age": age,
+            "shared": shared, "requests": requests, "stats": stats,
+            "num_running": engine.num_running(), "num_waiting": engine.num_waiting(),
+            "build_ms": (time.perf_counter() - t0) * 1e3}

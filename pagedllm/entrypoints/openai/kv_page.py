@@ -1,0 +1,24 @@
+"""GET /kv: the live KV map page (one self-contained HTML file), and GET /kv/snapshot: the JSON it polls at 2 Hz.
+The snapshot is built in the engine loop thread between two steps (engine/kv_snapshot.py)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.kv_snapshot import kv_snapshot
+
+
+def add_kv_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    page = resources.files("pagedllm.entrypoints.openai").joinpath("static/kv.html").read_text(encoding="utf-8")
+
+    @app.get("/kv", response_class=HTMLResponse)
+    async def kv_page() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/kv/snapshot")
+    async def kv_snapshot_json() -> JSONResponse:
+        return JSONResponse(await engine.call(kv_snapshot), headers={"Cache-Control": "no-store"})

@@ -1,0 +1,90 @@
+"""What every decoder here shares: the attention block over the paged KV cache, and the causal-LM shell
+(embeddings, final norm, output head, attention backend, logits)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedllm.kernels import batch_invariant
+from pagedllm.model.config import ModelConfig
+from pagedllm.model.kv_cache import KVCache
+from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear
+from pagedllm.model.linear import DenseLinearMethod, Linear, LinearMethod
+
+
+class Attention(nn.Module):
+    """q|k|v projection, optional per-head q/k norm, RoPE, paged attention (over a sliding window where the layer
+    has one), output projection."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod | None = None, *,
+                 window: int | None = None, norm: type[nn.Module] = RMSNorm):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype, method)
+        self.o = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, method)
+        if cfg.qk_norm:
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.scale = cfg.attn_scale
+        self.window = window
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        c = self.cfg
+        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
+        return self.o(out.reshape(-1, c.q_size))
+
+
+class CausalLM(nn.Module):
+    """The shell of a decoder-only model; subclasses add `layers` and `forward`. Built as
+    cls(cfg, dtype, attention_backend, linear_method)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_backend: AttentionBackend | str,
+                 linear_method: LinearMethod | None, norm: type[nn.Module] = RMSNorm):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed = frozen_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype,
+                                                                   linear_method)
+        self.set_attention_backend(attention_backend)
+
+    def set_attention_backend(self, backend: AttentionBackend | str) -> None:
+        """A backend object, or a name resolved on first use (so that loading never builds a kernel the engine
+        is about to replace)."""
+        self._attn_backend = backend
+
+    @property
+    def attn_backend(self) -> AttentionBackend:
+        if isinstance(self._attn_backend, str):
+            self._attn_backend = get_backend(self._attn_backend)
+        return self._attn_backend
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V], into `out` when given (and shaped for them)."""
+        head = self.lm_head
+        if head is None or type(head.method) is DenseLinearMethod:  # (a subclass may compute otherwise)
+            w = self.embed if head is None else head.weight
+            if out is not None and hidden.dtype == torch.float32 and not batch_invariant():
+                logits = torch.mm(hidden, w.t(), out=out)  # no [N, V] temporary
+            else:
+                logits = linear(hidden, w).float()
+        else:
+            logits = head(hidden).float()
+        if out is not None and logits.data_ptr() != out.data_ptr() and out.shape == logits.shape:
+            logits = out.copy_(logits)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits

@@ -1,0 +1,257 @@
+"""Batch invariance: a row's result does not depend on what else is in the batch.
+
+Kernel level: a row's output bytes are identical computed alone or inside batches of 2..300 rows, for the GEMM,
+paged attention (decode, prefill, a prompt tail after a prefix-cache hit, long contexts split across threads) and
+the sampler. Engine level (the real embedded model, bf16): a request's tokens equal the same request run alone,
+whatever it is batched with, how its prompt is chunked, whether its prefix is cached, whether it was preempted.
+
+Every test runs over PATHS, the execution paths the engine has: a new one (int8 KV, quantized weights,
+speculative decoding) is covered by adding one line there.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagedllm import kernels
+from pagedllm.attention import build_attention_metadata
+
+
+@dataclass(frozen=True)
+class ExecPath:
+    name: str
+    dtype: torch.dtype      # activations and weights
+    kv_dtype: torch.dtype   # the KV cache
+
+
+PATHS = [
+    ExecPath("fp32", torch.float32, torch.float32),
+    ExecPath("bf16", torch.bfloat16, torch.bfloat16),
+]
+ids = [p.name for p in PATHS]
+BATCH_SIZES = [2, 3, 4, 5, 7, 16, 17, 64, 129, 300]
+
+try:
+    kernels.load_ops()
+except Exception as e:  # pragma: no cover - a machine without a compiler
+    pytest.skip(f"C++ kernels do not build here: {e}", allow_module_level=True)
+
+
+pytestmark = pytest.mark.usefixtures("batch_invariant_kernels")
+
+
+# ---- GEMM ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("k,n", [(576, 64), (200, 37)])  # a model width; K and N off the tile sizes
+def test_linear_row_alone_equals_row_in_batch(path, k, n):
+    from pagedllm.model.layers import linear
+
+    if kernels.kernel_op("gemm_invariant") is None:
+        pytest.skip("no invariant GEMM in this build")
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(path.dtype)
+    x = torch.randn(300, k, generator=g).to(path.dtype)
+    rows = [0, 1, 150, 299]
+    alone = {r: linear(x[r:r + 1], w) for r in rows}
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    tol = 1e-4 if path.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(torch.cat([alone[r] for r in rows]).double(), ref[rows], rtol=tol, atol=tol * k ** 0.5)
+    for m in BATCH_SIZES:
+        start = random.Random(m).randrange(0, 300 - m + 1)
+        out = linear(x[start:start + m], w)
+        for r in rows:
+            if start <= r < start + m:
+                assert torch.equal(out[r - start], alone[r][0]), (m, r)
+        assert torch.equal(out[0], linear(x[start:start + 1], w)[0]), m
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+HQ, HKV, D, BS = 6, 2, 64, 16
+
+
+def _pool(gen, lens: list[int], kv_dtype):
+    need = [-(-n // BS) for n in lens]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for nb in need:
+        tables.append(perm[at:at + nb])
+        at += nb
+    k_cache = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(kv_dtype)
+    return tables, k_cache, v_cache
+
+
+def _attend(q_rows, tables, lens, new, k_cache, v_cache):
+    """q_rows[r]: [new[r], HQ, D] queries of request r (its last new[r] positions) -> per-request outputs."""
+    meta = build_attention_metadata(tables, [n - t for n, t in zip(lens, new, strict=True)], new, BS)
+    out = kernels.paged_attention(torch.cat(q_rows), k_cache, v_cache, meta, 0.125)
+    return list(out.split(new))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_row_alone_equals_row_in_batch(path, threads):
+    """One request (decode, a prefill of 40 tokens, a long context split into slices) alone and among 1..299
+    others of random lengths and query counts."""
+    gen = torch.Generator().manual_seed(threads)
+    rnd = random.Random(threads)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for target_len, target_new in [(300, 1), (900, 1), (1500, 40), (37, 37)]:
+            for m in [1, *BATCH_SIZES]:
+                lens = [target_len] + [rnd.randrange(1, 300) for _ in range(m - 1)]
+                new = [target_new] + [rnd.choice([1, 1, 1, min(n, rnd.randrange(1, 50))]) for n in lens[1:]]
+                tables, k_cache, v_cache = _pool(gen, lens, path.kv_dtype)
+                q = [torch.randn(t, HQ, D, generator=gen).to(path.dtype) for t in new]
+                alone = _attend(q[:1], tables[:1], lens[:1], new[:1], k_cache, v_cache)[0]
+                batched = _attend(q, tables, lens, new, k_cache, v_cache)[0]
+                assert torch.equal(alone, batched), (target_len, target_new, m)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("prompt_len", [5, 40, 700])
+def test_attention_row_same_for_any_prompt_split(path, prompt_len):
+    """A prompt's rows computed in one cold prefill, as the tail after a prefix-cache hit of any length, in
+    chunks, or one at a time (decode) are the same bytes."""
+    gen = torch.Generator().manual_seed(prompt_len)
+    tables, k_cache, v_cache = _pool(gen, [prompt_len], path.kv_dtype)
+    q = torch.randn(prompt_len, HQ, D, generator=gen).to(path.dtype)
+    cold = _attend([q], tables, [prompt_len], [prompt_len], k_cache, v_cache)[0]
+    for cached in sorted({0, 1, prompt_len // 3, prompt_len - 17, prompt_len - 2, prompt_len - 1} - {-1}):
+        if not 0 <= cached < prompt_len:
+            continue
+        rows = []
+        for start in range(cached, prompt_len, 16):  # the rest in chunks of 16 tokens
+            end = min(prompt_len, start + 16)
+            rows.append(_attend([q[start:end]], tables, [end], [end - start], k_cache, v_cache)[0])
+        assert torch.equal(torch.cat(rows), cold[cached:]), cached
+
+
+# ---- sampler ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", PATHS, ids=ids)
+def test_sampler_row_alone_equals_row_in_batch(path):
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.worker.sampler import Sampler, SamplingRow
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5000
+    logits = (torch.randn(300, vocab, generator=gen) * 3).to(path.dtype).float()
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.8, top_p=0.9, seed=5,
+                                                                          logprobs=1),
+              SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=6)]
+
+    def run(rows_idx):
+        rows = [SamplingRow(params[i % len(params)], [1, 2, 3], [], _gen(params[i % len(params)]))
+                for i in rows_idx]
+        return Sampler(seed=0)(logits[rows_idx], rows)
+
+    for target in (0, 1, 2):
+        alone = run([target])
+        for m in BATCH_SIZES:
+            idx = [target] + [3 + (target + 7 * j) % 297 for j in range(m - 1)]
+            out = run(idx)
+            assert out.token_ids[0] == alone.token_ids[0], (target, m)
+            if alone.logprobs is not None:  # (a batch reports max(logprobs asked) alternatives for every row)
+                k = params[target].logprobs
+                assert out.logprobs[0] == alone.logprobs[0] and out.ranks[0] == alone.ranks[0]
+                assert out.top_ids[0][:k] == alone.top_ids[0][:k]
+                assert out.top_logprobs[0][:k] == alone.top_logprobs[0][:k]
+
+
+def _gen(p):
+    return torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+
+
+# ---- engine ----------------------------------------------------------------------------------------------------
+# The real embedded model. Prompts share prefixes (so that batched runs hit the prefix cache mid-prompt), the
+# requests mix greedy, seeded n=2 samples and stop strings.
+PREFIX = ("You are a careful assistant. Answer briefly and precisely, in plain words, without lists. "
+          "The user asks about everyday things. ")
+QUESTIONS = ["What is the capital of France?", "Name a colour of the sky.", "What is 12 plus 7?",
+             "Say hello in Spanish.", "Why is the sea salty?", "What do bees make?", "Count to three."]
+
+
+def _requests(seed: int):
+    from pagedllm import SamplingParams
+
+    rnd = random.Random(seed)
+    reqs = []
+    for i, q in enumerate(rnd.sample(QUESTIONS, 6)):
+        prompt = (PREFIX * rnd.choice([1, 1, 3]) if rnd.random() < 0.7 else "") + q
+        kind = i % 3
+        if kind == 0:
+            params = SamplingParams(temperature=0.0, max_tokens=rnd.randrange(4, 9))
+        elif kind == 1:
+            params = SamplingParams(temperature=0.9, top_p=0.95, n=2, seed=rnd.randrange(1000), max_tokens=6)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=8, stop=[".", "!"])
+        reqs.append((prompt, params))
+    return reqs
+
+
+def _tokens(outs):
+    return [[(c.token_ids, c.text) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module", params=PATHS, ids=ids)
+def alone(request):
+    """(path, the requests, each one's outputs when run alone on a fresh engine without a prefix cache)."""
+    from pagedllm import LLM
+
+    path = request.param
+    dtype = "float32" if path.dtype == torch.float32 else "bfloat16"
+    reqs = _requests(seed=len(path.name))
+    outs = []
+    for prompt, params in reqs:
+        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64)
+        outs.append(_tokens(llm.generate([prompt], params, use_tqdm=False))[0])
+        del llm
+    return dtype, reqs, outs
+
+
+@pytest.mark.parametrize("budget", [16, 64, 2048])
+def test_engine_batched_equals_alone(alone, budget):
+    """All requests in one batch, prompts chunked by the token budget, cold then warm prefix cache: every
+    request's tokens are those it gets alone."""
+    from pagedllm import LLM
+
+    dtype, reqs, expected = alone
+    llm = LLM(dtype=dtype, max_num_batched_tokens=budget, num_kv_blocks=256)
+    prompts, params = [p for p, _ in reqs], [s for _, s in reqs]
+    cold = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert cold == expected
+    warm = _tokens(llm.generate(prompts[::-1], params[::-1], use_tqdm=False))[::-1]
+    assert warm == expected
+    assert llm.kv_cache_stats()["prefix_cache_hits"] > 0
+
+
+def test_engine_preempted_equals_alone(alone):
+    """A KV budget too small for the batch: requests are preempted and recomputed, tokens unchanged."""
+    from pagedllm import LLM
+
+    dtype, reqs, expected = alone
+    llm = LLM(dtype=dtype, num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False)
+    got = _tokens(llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False))
+    assert llm.kv_cache_stats()["num_preemptions"] > 0
+    assert got == expected
+
+
+def test_opt_out_flag():
+    """On by default; --no-batch-invariant / LLM(batch_invariant=False) turn it off."""
+    import argparse
+
+    from pagedllm.engine.args import EngineArgs
+
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli_args(p.parse_args([])).batch_invariant is True
+    assert EngineArgs.from_cli_args(p.parse_args(["--no-batch-invariant"])).batch_invariant is False
+    assert EngineArgs.from_cli_args(p.parse_args(["--batch-invariant"])).batch_invariant is True

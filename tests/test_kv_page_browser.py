@@ -1,0 +1,133 @@
+"""GET /kv in a real browser: the system's Chromium driven by Playwright loads the live KV map while requests run;
+its cell counts match kv_cache_stats() of the same snapshot, an n=4 request shows shared blocks, and a
+screenshot is saved (tests/artifacts/kv_page.png). `make test` installs chromium and playwright."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (make install adds it)")
+from test_engine import make_llm  # noqa: E402
+from test_server import LiveServer  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+from pagedllm import SamplingParams  # noqa: E402
+from pagedllm.engine.async_engine import AsyncEngine  # noqa: E402
+from pagedllm.engine.kv_snapshot import kv_snapshot, num_cached_free_blocks  # noqa: E402
+from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(__file__).parent / "artifacts"
+NUM_BLOCKS = 200
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    llm = make_llm(make_tiny_model(tmp_path_factory.mktemp("tiny")), num_kv_blocks=NUM_BLOCKS, block_size=8,
+                   max_model_len=512)
+    engine = AsyncEngine(llm.engine)
+    with LiveServer(build_app(engine)) as server:
+        server.engine = engine
+        yield server
+    engine.shutdown()
+
+
+def page_counts(page) -> dict:
+    page.wait_for_function("document.body.dataset.snapshot !== undefined", timeout=15000)
+    return json.loads(page.evaluate("document.body.dataset.snapshot"))
+
+
+def run_workload(engine: AsyncEngine, stop: threading.Event) -> threading.Thread:
+    """Requests that keep the pool busy until `stop`: a long n=4 request plus a stream of short ones."""
+
+    async def one(prompt: str, params: SamplingParams) -> None:
+        async for _ in engine.generate(prompt, params):
+            pass
+
+    async def main() -> None:
+        long = asyncio.ensure_future(one("Paged attention stores keys and values in blocks. " * 3,
+                                         SamplingParams(n=4, max_tokens=300, ignore_eos=True, temperature=1.0)))
+        i = 0
+        while not stop.is_set():
+            await one(f"The quick brown fox {i} jumps over the lazy dog.", SamplingParams(max_tokens=20))
+            i += 1
+        long.cancel()
+
+    t = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine: `make install` installs it with apt-get "
+                                             "(needs root and the Debian mirror)")
+def test_kv_page_live(live):
+    ARTIFACTS.mkdir(exist_ok=True)
+    stop = threading.Event()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 700})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(live.url + "/kv")
+            idle = page_counts(page)
+            assert idle["used"] == 0 and idle["free"] + idle["cached"] == NUM_BLOCKS
+            worker = run_workload(live.engine, stop)
+            # while the workload runs: the counts the page shows are the stats of the same snapshot
+            deadline = time.monotonic() + 60
+            seen_shared = False
+            while time.monotonic() < deadline and not seen_shared:
+                snap = page_counts(page)
+                st = snap["stats"]
+                assert snap["used"] == st["num_blocks"] - st["num_free_blocks"], snap
+                assert snap["used"] + snap["cached"] + snap["free"] == NUM_BLOCKS
+                assert snap["cached"] == st["num_cached_free_blocks"], snap
+                seen_shared = snap["shared"] > 0 and snap["used"] > 0
+                time.sleep(0.3)
+            assert seen_shared, "no shared blocks shown for the n=4 request"
+            page.screenshot(path=str(ARTIFACTS / "kv_page.png"), full_page=True)
+            # hovering a held cell names its request and token range (polling paused: one fixed picture)
+            page.evaluate("window.kvPaused = true")
+            time.sleep(1.0)
+            box = page.locator("#grid").bounding_box()
+            cells = json.loads(page.evaluate("JSON.stringify(snap.cells)"))
+            cols = page.evaluate("layout(snap.num_blocks).cols")
+            b = next(i for i, v in enumerate(cells) if v >= 0)
+            page.mouse.move(box["x"] + (b % cols) * 14 + 6, box["y"] + (b // cols) * 14 + 6)
+            tip = page.locator("#tip").inner_text()
+            assert f"block {b}: request" in tip and "tokens " in tip, tip
+            assert not errors, errors
+        finally:
+            stop.set()
+            browser.close()
+    worker.join(60)
+    # idle again: the page and kv_cache_stats() agree exactly
+    stats = asyncio.run(live.engine.call(lambda e: e.kv_cache_stats()))
+    assert stats["num_free_blocks"] == NUM_BLOCKS
+    snap = asyncio.run(live.engine.call(kv_snapshot))
+    assert sum(1 for v in snap["cells"] if v == -2) == stats["num_cached_free_blocks"] > 0
+    assert not snap["shared"]
+
+
+def test_snapshot_cost_is_bounded(tmp_path):
+    """The snapshot is one pass over the pool: time it on a large pool with many requests (reported, and only
+    checked loosely: it runs between engine steps)."""
+    llm = make_llm(make_tiny_model(tmp_path / "m"), num_kv_blocks=20000, block_size=8, max_model_len=2048)
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(600)] for i in range(24)]
+    llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # leaves cached blocks behind
+    t0 = time.perf_counter()
+    snap = kv_snapshot(llm.engine)
+    elapsed = time.perf_counter() - t0
+    print(f"kv_snapshot of {snap['num_blocks']} blocks: {elapsed * 1e3:.1f} ms")
+    assert sum(1 for v in snap["cells"] if v == -2) == num_cached_free_blocks(llm.engine.kv) > 0
+    assert elapsed < 1.0
