@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedllm.structured.params import StructuredOutputsParams
+
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (and the server's bound)
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -30,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
     min_tokens: int = 0  # EOS, stop token ids and stop strings are held back until this many tokens exist
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # top logprobs per prompt token besides the prompt's own token
@@ -83,6 +86,10 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be > 0")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -47,6 +47,7 @@ class EngineArgs:
     batch_invariant: bool = True
     seed: int = 0
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    structured_outputs_backend: str = "llguidance"  # or "xgrammar" (see pagedllm/structured/)
     generation_config: str = "auto"  # default sampling from the model ("auto"), none ("vllm"), or a directory
 
     def __post_init__(self) -> None:

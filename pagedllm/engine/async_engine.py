@@ -144,6 +144,11 @@ class AsyncEngine:
         # Pure function of the tokenizer: safe to call outside the loop thread.
         return self.engine.apply_chat_template(messages, **kwargs)
 
+    async def compile_grammar(self, structured_outputs: Any) -> None:
+        """Compile a request's constraint (or find it cached) on the engine's compile thread, so that an invalid
+        one is an error for that request before it is added; raises GrammarError (a ValueError)."""
+        await asyncio.wrap_future(self.engine.structured_outputs.submit(structured_outputs))
+
     # -- life cycle -----------------------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:

@@ -13,7 +13,8 @@ _RESERVED = {"messages", "tokenize", "chat_template", "add_generation_prompt", "
 
 def render_chat_template(tokenizer: Any, messages: list[dict], *, chat_template: str | None = None,
                          add_generation_prompt: bool = True, continue_final_message: bool = False,
-                         chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                         chat_template_kwargs: dict[str, Any] | None = None,
+                         tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text of a conversation. Raises ValueError naming what is wrong."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -29,7 +30,8 @@ def render_chat_template(tokenizer: Any, messages: list[dict], *, chat_template:
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **extra)
+                                             continue_final_message=continue_final_message, tools=tools,
+                                             **extra)
     except SecurityError as e:
         raise ValueError(f"messages: the chat template was refused by the sandbox (it reached for Python "
                          f"internals): {e}") from e

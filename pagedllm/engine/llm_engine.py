@@ -16,7 +16,7 @@ from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
-from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
+from pagedllm.engine.output_processor import OutputProcessor, RequestState, SamplingPlan, SpecDecodeStats
 from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.model.config import check_token_ids
@@ -25,8 +25,9 @@ from pagedllm.model.kv_cache import num_blocks_for_budget
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.gate import GrammarGate
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.sampler import Sampler
+from pagedllm.worker.sampler import Sampler, TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class LLMEngine:
                                               block_size=args.block_size, attention_backend=args.attention_backend,
                                               vocab_size=self.model_config.vocab_size)
             self.output_processor.on_verified = self.speculator.observe
+        self._structured = None  # StructuredOutputManager, made on the first constrained request
+        self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
                     time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."), num_blocks, args.block_size,
                     num_blocks * args.block_size)
@@ -109,7 +112,54 @@ class LLMEngine:
             cache_salt = no_cache_salt(request_id, cache_salt)
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens,
                              cache_salt)
-        self.scheduler.add_request(self.output_processor.add_request(state, arrival_time))
+        if params.structured_outputs is not None:
+            state.grammar = self.structured_outputs.submit(params.structured_outputs)
+            if state.grammar.done() and state.grammar.exception() is not None:
+                raise state.grammar.exception()  # a cached compile error: a GrammarError (a ValueError)
+        req = self.output_processor.add_request(state, arrival_time)
+        if state.grammar is not None and not state.grammar.done():
+            self._grammar_gate.hold(state.grammar, (state, req))
+        else:
+            self.scheduler.add_request(req)
+
+    # ---- structured outputs ----------------------------------------------------------------------
+    @property
+    def structured_outputs(self):
+        """The StructuredOutputManager (compile thread, grammar cache), made on first use."""
+        if self._structured is None:
+            from pagedllm.structured.manager import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                       sorted(self.eos_token_ids),
+                                                       self.args.structured_outputs_backend)
+        return self._structured
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled go to the scheduler; a failed compile fails its request."""
+        if not self.scheduler.running and not self.scheduler.waiting:
+            self._grammar_gate.wait(0.01)  # nothing else to do: do not spin on the compile
+        failed = []
+        for (state, req), err in self._grammar_gate.release():
+            if state.request_id not in self.requests:
+                continue  # aborted while compiling
+            if err is None:
+                self.scheduler.add_request(req)
+            else:
+                failed.append(self.output_processor.abort(state.request_id, str(err)).output())
+        return failed
+
+    def _token_bitmask(self, plan: SamplingPlan) -> TokenBitmask | None:
+        """The tokens each constrained row may take next (unconstrained rows are not in it); a sample with draft
+        tokens gets one row per draft prefix, its matcher walked along the drafts and back."""
+        rows, walks, row = [], [], 0
+        for state, sample, drafts in plan.samples:
+            if state.grammar is not None:
+                if sample.matcher is None:  # each sample (n > 1) walks the grammar with its own matcher
+                    sample.matcher = self.structured_outputs.matcher(state.grammar.result())
+                rows.extend(range(row, row + len(drafts) + 1))
+                walks.append((sample.matcher, drafts))
+            row += len(drafts) + 1
+        return TokenBitmask(rows, self.structured_outputs.bitmask(walks)) if rows else None
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -121,19 +171,21 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return failed_grammars
         self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
         self._slot_samples[0] += self.kv.used_slots
         self._slot_samples[1] += self.kv.num_used_blocks() * self.kv.block_size
         logits, failed = self._execute_isolating_faults(out)
-        outputs = [state.output() for state in failed]
+        outputs = failed_grammars + [state.output() for state in failed]
         sampling = self.scheduler.update_after_step(out)
         plan = self.output_processor.plan(sampling)
         if plan.rows:
             identity = plan.logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy
-            sampled = self.sampler(logits if identity else logits[plan.logit_rows], plan.rows)
+            sampled = self.sampler(logits if identity else logits[plan.logit_rows], plan.rows,
+                                   self._token_bitmask(plan))
             outputs += self.output_processor.process(plan, sampled)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._draft_room)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +43,7 @@ class SampleState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    matcher: Any = None  # structured outputs: this sample's grammar matcher (pagedllm/structured)
 
     def output(self) -> CompletionOutput:
         cumulative = self.cumulative_logprob if self.logprobs is not None else None
@@ -61,6 +64,7 @@ class RequestState:
     cache_salt: str | None = None
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None
+    grammar: Future | None = None  # structured outputs: the compiled grammar
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled while the prompt is computed
 
@@ -258,6 +262,8 @@ class OutputProcessor:
         """Append row r's token to the sample; True when the sample is finished."""
         token = sampled.token_ids[r]
         req = sample.request
+        if sample.matcher is not None and not sample.matcher.accept(token):
+            raise RuntimeError(f"structured outputs: the grammar rejected token {token} (an empty mask?)")
         req.append_output_token(token)
         if sample.logprobs is not None:
             sample.cumulative_logprob += sampled.logprobs[r]
@@ -274,6 +280,8 @@ class OutputProcessor:
             sample.finish_reason = "stop"
         elif (stop := sample.detokenizer.add_token(token, req.num_output_tokens >= p.min_tokens)) is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
+        elif sample.matcher is not None and sample.matcher.is_terminated():
+            sample.finish_reason = "stop"  # the grammar is complete: nothing but a stop token could follow
         elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
             sample.finish_reason = "length"
         if not sample.finish_reason:

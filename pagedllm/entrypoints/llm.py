@@ -74,6 +74,10 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError("sampling_params must be a SamplingParams or a sequence of them")
+        grammars = [self.engine.structured_outputs.submit(p.structured_outputs) for p in params
+                    if p.structured_outputs is not None]  # compile them all at once, in the background
+        for g in grammars:
+            g.result()  # an invalid schema / regex / grammar raises its GrammarError (a ValueError) before any add
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.kernels import kernel_op
@@ -33,6 +34,25 @@ class SamplerOutput:
     ranks: list[int] | None
     top_ids: list[list[int]] | None  # top-k alternatives per row (k = the largest logprobs asked for)
     top_logprobs: list[list[float]] | None
+
+
+@dataclass
+class TokenBitmask:
+    """Structured outputs: the tokens some rows may take next. Bit t % 32 of word t // 32 of a row's mask set =
+    token t allowed (the packed layout grammar libraries fill)."""
+
+    rows: list[int]  # rows of the batch the masks apply to, in order
+    bitmask: np.ndarray  # int32 [len(rows), ceil(vocab / 32)]
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """-inf for the tokens each constrained row may not take, in place: one unpack of the packed bits and one
+    masked fill over those rows (the other rows are not touched)."""
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(mask.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    rows = torch.tensor(mask.rows, dtype=torch.int64)
+    with torch.inference_mode():  # the logits may be the runner's (inference-mode) buffer
+        logits[rows] = logits[rows].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
 
 
 def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -162,12 +182,16 @@ class Sampler:
             return kernel(logits.contiguous(), temperature, top_k, top_p, min_p, uniforms)
         return sample_by_sorting((logits / temperature[:, None]).softmax(-1), top_k, top_p, min_p, uniforms)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         logits = logits.float()
-        # Log-probabilities of the raw model output, only when some request asked for them.
+        # Log-probabilities of the raw model output (before penalties and before a structured-outputs mask), only
+        # when some request asked for them.
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         logits = apply_penalties(apply_logit_rules(logits, rows), rows)
+        if token_bitmask is not None and token_bitmask.rows:
+            apply_token_bitmask(logits, token_bitmask)
 
         greedy = [r.params.greedy for r in rows]
         if all(greedy):

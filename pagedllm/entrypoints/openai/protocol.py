@@ -66,6 +66,11 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
+
+
 class _SamplingFields(OpenAIModel):
     """Fields shared by both endpoints; OpenAI's and the vLLM-style extras."""
 
@@ -89,6 +94,13 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # structured outputs (structured.py reads them): OpenAI's response_format, vLLM's extras
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
@@ -227,18 +239,12 @@ class ChatMessage(BaseModel):
         return d
 
 
-class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -265,12 +271,10 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message": self.continue_final_message}
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        if self.tools or self.functions:
-            raise ValueError("tools is not supported")
+        if self.functions or self.function_call:
+            raise ValueError("functions is not supported (use tools)")
         if self.modalities and set(self.modalities) != {"text"}:
             raise ValueError("modalities: only 'text' is supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format is not supported (only type 'text')")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -292,9 +296,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -319,6 +335,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool call deltas: {"index", "id", "type", "function"}
 
 
 class ChatStreamChoice(BaseModel):

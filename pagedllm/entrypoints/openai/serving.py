@@ -30,9 +30,11 @@ from pagedllm.entrypoints.openai.streams import (
     merge_streams,
     run_until_disconnect,
 )
+from pagedllm.entrypoints.openai.structured import requested_structure
 from pagedllm.entrypoints.openai.validation import check_unicode
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,10 @@ class OpenAIServing:
     async def prompts(self, req: Any) -> list[Prompt]:
         raise NotImplementedError
 
+    def structure(self, req: Any) -> StructuredOutputsParams | None:
+        """What the output must match (response_format, structured_outputs, guided_*); ValueError if invalid."""
+        return requested_structure(req)
+
     def response(self, call: Call, finals: list[RequestOutput]) -> BaseModel:
         """The whole (non-streamed) response."""
         raise NotImplementedError
@@ -191,7 +197,10 @@ class OpenAIServing:
         self.check_model(req.model)
         try:
             params = req.to_sampling_params(getattr(self.engine, "generation_defaults", None))
-        except ValueError as e:
+            params.structured_outputs = self.structure(req)
+            if params.structured_outputs is not None:
+                await self.engine.compile_grammar(params.structured_outputs)
+        except ValueError as e:  # GrammarError included: its message starts with the field at fault
             raise bad_request(e, self.request_params) from e
         prompts = await self.prompts(req)
         call = Call(req, params, req.request_id or random_id(self.id_prefix), req.model or self.served_model_name,
