@@ -83,6 +83,13 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be > 0")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            # rejected rather than reduced modulo 2**64: two different seeds must not silently give one stream
+            raise bad("seed", "must be an integer in [-2**63, 2**63 - 1]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must contain only non-empty strings")
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must contain only integers")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
