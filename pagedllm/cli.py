@@ -17,7 +17,7 @@ DEFAULT_PROMPTS = [
     "List three prime numbers greater than 10.",
 ]
 BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving",
-              "router_sim", "soak"]
+              "router_sim", "soak", "spec", "realistic", "make-model"]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     for name in BENCHMARKS:
         try:
-            mod = importlib.import_module(f"pagedllm.benchmarks.{name}")
+            mod = importlib.import_module(f"pagedllm.benchmarks.{name.replace('-', '_')}")
         except ImportError:
             continue
         bp = bsub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)

@@ -29,7 +29,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 # engine kv_cache_stats() key -> our counter attribute
 _MIRRORED = {"prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
-             "num_preemptions": "num_preemptions"}
+             "num_preemptions": "num_preemptions",
+             "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens"}
 
 
 class EngineMetrics:
@@ -52,6 +54,10 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("pagedllm_prefix_cache_hits_total",
                                          "Prompt tokens served from the prefix cache.")
         self.num_preemptions = counter("pagedllm_num_preemptions_total", "Requests preempted by the scheduler.")
+        self.spec_decode_num_draft_tokens = counter("pagedllm_spec_decode_num_draft_tokens_total",
+                                                    "Draft tokens proposed by speculative decoding.")
+        self.spec_decode_num_accepted_tokens = counter("pagedllm_spec_decode_num_accepted_tokens_total",
+                                                       "Draft tokens accepted by verification.")
         self.prompt_tokens = counter("pagedllm_prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = counter("pagedllm_generation_tokens_total", "Tokens generated.")
         self.ttft = Histogram("pagedllm_time_to_first_token_seconds", "Time to first token.", labels,

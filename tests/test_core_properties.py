@@ -7,6 +7,8 @@ simulated KV memory. After every step:
 - tables are exactly as long as needed (paged) or the full reservation (contiguous);
 - after each simulated model step, every request reads back its own tokens through its block table
   (this catches a missed copy-on-write, a wrong cache hit or a block handed out while still in use);
+- speculative append + rollback keeps all of the above (rejected drafts' blocks return, no block of rejected
+  tokens stays hashed);
 - when all requests are freed, every block is free.
 """
 
@@ -128,6 +130,31 @@ class KVCoreMachine(RuleBasedStateMachine):
             p.append_output_token(tokens[0])
         self._allocate(p, p.num_tokens - p.num_computed_tokens)
         self._allocate(c, 1)
+
+    @precondition(lambda self: not self.pending and any(
+        r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens < self.max_len for r in self.live))
+    @rule(data=st.data(), drafts=st.lists(TOKENS, min_size=1, max_size=5), bonus=TOKENS)
+    def speculate(self, data, drafts, bonus) -> None:
+        """Speculative decoding: the last token and k drafts are computed in one step, the first m drafts and
+        one bonus token are accepted, the table rolls back over the rejected drafts' slots."""
+        r = data.draw(st.sampled_from([r for r in self.live
+                                       if r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens < self.max_len]))
+        drafts = drafts[: self.max_len - r.num_tokens]
+        start = r.num_computed_tokens
+        copies = self.m.allocate_slots(r, 1 + len(drafts))
+        if copies is None:
+            return
+        for src, dst in copies:
+            self.memory[dst] = list(self.memory[src])
+        table = self.m.get_block_ids(r)
+        for t, tok in enumerate(r.all_token_ids[start:] + drafts, start=start):  # the worker's K/V writes
+            self.memory[table[t // self.B]][t % self.B] = tok
+        m = data.draw(st.integers(0, len(drafts)))
+        event(f"speculation: {m} of {len(drafts)} accepted")
+        for tok in drafts[:m] + [bonus]:
+            r.append_output_token(tok)
+        r.num_computed_tokens = start + 1 + m
+        self.m.truncate(r, r.num_computed_tokens)
 
     @precondition(lambda self: bool(self._idle()))
     @rule(data=st.data())

@@ -139,7 +139,9 @@ def test_gguf_matches_transformers(tmp_path, arch, types):
 
     path = tmp_path / "m.gguf"
     write_gguf(str(path), arch, TYPE_SETS[types])
-    ours = load_model(str(path), "float32", attention_backend="reference", load_tokenizer=False)
+    # the dequantized path is the one that equals transformers; tests/test_quant_model.py compares the two
+    ours = load_model(str(path), "float32", attention_backend="reference", load_tokenizer=False,
+                      quantization="none")
     assert ours.config.architecture == arch
     assert ours.config.tie_word_embeddings == (arch == "llama")
     assert ours.config.qkv_bias == (arch == "qwen2") and ours.config.qk_norm == (arch == "qwen3")

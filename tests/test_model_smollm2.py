@@ -41,7 +41,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(cache_dir):
-    return load_model(None, "float32", attention_backend="reference")
+    return load_model(None, "float32", attention_backend="reference", quantization="none")  # the transformers-exact path
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_tokenizer_cache_reused(ours, cache_dir, caplog):
                                                              "tokenizer.json"))
     t0 = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="pagedllm.model.loader"):
-        again = load_model(None, "bfloat16", attention_backend="reference")
+        again = load_model(None, "bfloat16", attention_backend="reference", quantization="none")
     elapsed = time.perf_counter() - t0
     print(f"\nwarm load of the default model (bfloat16): {elapsed:.2f} s")
     assert not any("built the GGUF tokenizer" in r.getMessage() for r in caplog.records)

@@ -28,7 +28,7 @@ from pagedllm.distributed.client import DataParallelEngine  # noqa: E402
 from pagedllm.engine.args import EngineArgs  # noqa: E402
 from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # replica start waits for any kernel build
 
 API_KEY = "sk-dp-" + "".join(random.choices("abcdef0123456789", k=12))
 BLOCK = 16
@@ -41,6 +41,12 @@ MAX_MODEL_LEN = 512
 def engine(tmp_path_factory):
     """One small local Ray for the module, always shut down."""
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    # On this shared machine Ray's own memory monitor kills workers when the whole node passes 95% of its
+    # memory, whoever uses it; the replicas here are small, so let only the kernel decide.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    from pagedllm.kernels.build import load_ops
+
+    load_ops()  # build the C++ kernel here, once, rather than in two replicas at once
     ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     dp = None
@@ -115,6 +121,30 @@ def test_prefix_family_hits_the_cache(client):
         r = client.completions.create(model="smol", prompt=shared + ids(rng, 12), max_tokens=2, temperature=0)
         hits.append(r.usage.prompt_tokens_details.cached_tokens >= 6 * BLOCK)
     assert sum(hits) >= 0.9 * len(hits), hits  # only the family's first request may miss
+
+
+def test_conversation_turns_hit_under_prefix_routing_not_round_robin(client, engine):
+    """Each turn's prompt extends the previous one: with prefix routing it lands where the previous turn's
+    blocks are cached; round-robin sends it to the other replica, which only has the turn before that."""
+    from pagedllm.distributed.routing import make_policy
+
+    rng = random.Random(time.time_ns())
+    covered = {}
+    try:
+        for name in ("round-robin", "prefix"):
+            engine.policy = make_policy(name, 2, BLOCK)
+            prompt, previous_blocks, covered[name] = ids(rng, 2 * BLOCK), None, 0
+            for _ in range(8):
+                r = client.completions.create(model="smol", prompt=prompt, max_tokens=2, temperature=0)
+                # covered: every full block of the previous turn's prompt came from the cache
+                if previous_blocks is not None:
+                    covered[name] += r.usage.prompt_tokens_details.cached_tokens >= previous_blocks
+                previous_blocks = len(prompt) // BLOCK * BLOCK
+                prompt = prompt + ids(rng, BLOCK + 8)  # the reply and the next user message
+    finally:
+        engine.policy = make_policy("prefix", 2, BLOCK, table_blocks=NUM_BLOCKS)
+    assert covered["prefix"] >= 0.9 * 7, covered
+    assert covered["round-robin"] <= 0.5 * 7, covered
 
 
 def test_chat_stream_and_n(client):

@@ -56,7 +56,11 @@ class _Server:
         t0 = time.perf_counter()
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env())
-        self._wait_ready(timeout=600)
+        try:
+            self._wait_ready(timeout=600)
+        except BaseException:  # __exit__ does not run when __enter__ raises: stop the server here
+            self.__exit__(None, None, None)
+            raise
         self.load_s = time.perf_counter() - t0
         import httpx
 

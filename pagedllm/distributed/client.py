@@ -159,7 +159,10 @@ class DataParallelEngine:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            try:
+                await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            except Exception:  # never let the health poll die: the router depends on it to take replicas back
+                logger.exception("replica health poll failed")
             await asyncio.sleep(self.dp.health_interval)
 
     async def _poll(self, r: _Replica) -> None:

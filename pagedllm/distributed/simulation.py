@@ -70,7 +70,7 @@ class StepCost:
     per_context_token: float = 0.000002
 
     def __call__(self, out: SchedulerOutput) -> float:
-        tokens = out.num_batched_tokens
+        tokens = _batched_tokens(out)
         context = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         return self.fixed + self.per_token * tokens + self.per_context_token * context
 
@@ -108,7 +108,8 @@ class SimReplica:
         self.busy_time = 0.0
 
     def add(self, turn: _Turn, rid: str) -> None:
-        req = Request(rid, turn.prompt, len(turn.reply))
+        self.scheduler.check_fits(len(turn.prompt), len(turn.reply))  # as the engine does at add time
+        req = Request(rid, turn.prompt)
         turn.request = req
         self.turns[id(req)] = turn
         self.scheduler.add_request(req)
@@ -126,14 +127,15 @@ class SimReplica:
         if out.is_empty:
             return None
         self.pending = out
-        self.computed_tokens += out.num_batched_tokens
+        self.computed_tokens += _batched_tokens(out)
         return out
 
     def finish_step(self, now: float) -> list[_Turn]:
         """Apply the step: each request whose prompt is done gets its next reply token; finished turns out."""
         out, self.pending = self.pending, None
         done = []
-        for req in self.scheduler.update_after_step(out):
+        for scheduled in self.scheduler.update_after_step(out):
+            req = scheduled.request
             turn = self.turns[id(req)]
             if turn.first_token is None:
                 turn.first_token = now
@@ -218,6 +220,10 @@ def _turn(trace: Sequence[Conversation], c: int, k: int, arrival: float) -> _Tur
         prompt += user + reply
     prompt += conv.turns[k][0]
     return _Turn(c, k, prompt, conv.turns[k][1], arrival)
+
+
+def _batched_tokens(out: SchedulerOutput) -> int:
+    return sum(s.num_new_tokens for s in out.scheduled)
 
 
 def _pct(sorted_values: Sequence[float], q: float) -> float:

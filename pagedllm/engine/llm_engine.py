@@ -16,8 +16,9 @@ from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
-from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
+from pagedllm.engine.speculative import make_speculator
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import num_blocks_for_budget
@@ -36,7 +37,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         dtype = resolve_dtype(args.dtype)
         self.model_path = resolve_model_path(args.model)
-        loaded = load_model(self.model_path, dtype)
+        loaded = load_model(self.model_path, dtype, quantization=args.quantization)
         self.args = args
         self.generation_defaults = generation_defaults(self.model_path, args.generation_config)
         self.model_config = loaded.config
@@ -58,6 +59,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
                                                 self.max_model_len)
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
+        self.speculator = None
+        if args.speculative_config is not None:
+            self.speculator = make_speculator(args.speculative_config, dtype=dtype, num_blocks=num_blocks,
+                                              block_size=args.block_size, attention_backend=args.attention_backend,
+                                              vocab_size=self.model_config.vocab_size)
+            self.output_processor.on_verified = self.speculator.observe
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
                     time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."), num_blocks, args.block_size,
                     num_blocks * args.block_size)
@@ -128,7 +135,17 @@ class LLMEngine:
             identity = plan.logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy
             sampled = self.sampler(logits if identity else logits[plan.logit_rows], plan.rows)
             outputs += self.output_processor.process(plan, sampled)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._draft_room)
         return outputs
+
+    def _draft_room(self, request) -> int:
+        """Draft tokens a request can take: verification adds one token of its own, and neither may pass
+        max_tokens or the context."""
+        found = self.output_processor.sample_of(request)
+        if found is None:
+            return 0
+        return min(found[0].max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 
     def run_model(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run the model on a scheduled batch and advance the scheduler. Returns the entries that sample, in
@@ -196,6 +213,11 @@ class LLMEngine:
         utilisation. Counters (prefix cache, preemptions) keep counting: take differences of those."""
         self.kv.reset_peak()
         self._slot_samples = [0, 0]
+        self.output_processor.spec_stats = SpecDecodeStats()
+
+    def spec_decode_stats(self) -> dict:
+        """Draft tokens proposed and accepted, acceptance rate, mean tokens emitted per verification."""
+        return self.output_processor.spec_stats.as_dict()
 
     def kv_cache_stats(self) -> dict:
         stats = dict(self.kv.stats())
@@ -203,4 +225,7 @@ class LLMEngine:
         stats["num_cached_free_blocks"] = num_cached_free_blocks(self.kv)  # free, still holding a prefix
         used, allocated = self._slot_samples  # sampled at every step, after scheduling
         stats["mean_slot_utilisation"] = used / allocated if allocated else 0.0
+        spec = self.output_processor.spec_stats
+        stats["spec_decode_num_draft_tokens"] = spec.num_draft_tokens
+        stats["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens
         return stats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # core request id -> its sample
         self.spec_stats = SpecDecodeStats()
+        self.on_verified: Callable[[Request, int, int], None] | None = None  # (request, drafts, accepted)
         self.num_prompt_logprobs = 0  # live requests that asked for prompt_logprobs
 
     # ---- requests in and out --------------------------------------------------------------------
@@ -248,6 +250,8 @@ class OutputProcessor:
             self.spec_stats.num_drafts += 1
             self.spec_stats.num_draft_tokens += len(drafts)
             self.spec_stats.num_accepted_tokens += num_accepted
+            if self.on_verified is not None:
+                self.on_verified(sample.request, len(drafts), num_accepted)
             self.scheduler.accept_draft_tokens(sample.request, num_accepted)
 
     def _append_token(self, state: RequestState, sample: SampleState, sampled: SamplerOutput, r: int) -> bool:

@@ -53,6 +53,11 @@ def build_variant(flags: set[str] | None = None) -> tuple[str, list[str]]:
         if "avx512_bf16" in flags:
             isa.append("-mavx512bf16")
             name += "bf16"
+        if "avx512_vnni" in flags:  # quant_gemm.cpp's vpdpbusd
+            isa.append("-mavx512vnni")
+            name += "vnni"
+        if "f16c" in flags:  # fp16 block scales
+            isa.append("-mf16c")
         return name, isa
     if "avx2" in flags and "fma" in flags:  # portable code, auto-vectorised for AVX2
         return "avx2", ["-mavx2", "-mfma"]

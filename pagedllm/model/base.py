@@ -12,6 +12,7 @@ from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear
 from pagedllm.model.linear import DenseLinearMethod, Linear, LinearMethod
+from pagedllm.quantization.tensor import QuantTensor
 
 
 class Attention(nn.Module):
@@ -74,7 +75,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V], into `out` when given (and shaped for them)."""
         head = self.lm_head
-        if head is None or type(head.method) is DenseLinearMethod:  # (a subclass may compute otherwise)
+        if head is None and isinstance(self.embed, QuantTensor):  # tied, kept in GGUF blocks: fp32 from the kernel
+            logits = self.embed.matmul(hidden, torch.empty(hidden.shape[0], self.embed.shape[0]))
+        elif head is None or type(head.method) is DenseLinearMethod:  # (a subclass may compute otherwise)
             w = self.embed if head is None else head.weight
             if out is not None and hidden.dtype == torch.float32 and not batch_invariant():
                 logits = torch.mm(hidden, w.t(), out=out)  # no [N, V] temporary

@@ -238,17 +238,25 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
 _PERMUTED_Q, _PERMUTED_K = ".attn_q.weight", ".attn_k.weight"
 
 
-def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(GGUF name, dequantised tensor) pairs, Q/K rows back in the HF (rotate-half) order, norm weights back to
-    what HF checkpoints store."""
+def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) -> Iterator[tuple[str, Any]]:
+    """(GGUF name, tensor) pairs, Q/K rows back in the HF (rotate-half) order, norm weights back to what HF
+    checkpoints store. Tensors are dequantised, except with as_stored, where matrices in a block format the
+    quantized kernel reads stay QuantTensors over the memory-mapped file (Q/K rows permuted into a same-size copy)."""
+    from pagedllm.quantization.tensor import QuantTensor, bytes_view, row_bytes, runs_as_stored
+
     spec = registry.spec(cfg.architecture)
     permuted = spec.gguf_permuted_qk
     for name, info in f.tensors.items():
-        w = dequantize(f, info)
+        if as_stored and len(info.shape) == 2 and runs_as_stored(info.ggml_type, info.shape[1]):
+            rows, cols = info.shape
+            w = QuantTensor(bytes_view(f.blob, info.offset, rows, row_bytes(info.ggml_type, cols)),
+                            info.ggml_type, cols)
+        else:
+            w = dequantize(f, info)
         if spec.gguf_norm_shift and name.endswith("norm.weight"):
             w = w.float() - spec.gguf_norm_shift
-        if permuted and name.endswith(_PERMUTED_Q):
-            w = _unpermute(w, cfg.num_heads)
-        elif permuted and name.endswith(_PERMUTED_K):
-            w = _unpermute(w, cfg.num_kv_heads)
+        heads = cfg.num_heads if name.endswith(_PERMUTED_Q) else cfg.num_kv_heads
+        if permuted and name.endswith((_PERMUTED_Q, _PERMUTED_K)):
+            w = w.rows(_unpermute(torch.arange(w.shape[0]), heads)) if isinstance(w, QuantTensor) \
+                else _unpermute(w, heads)
         yield name, w

@@ -19,6 +19,7 @@ from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding, bf16_kernel_op
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP
+from pagedllm.quantization.tensor import QuantTensor
 
 
 class DecoderLayer(nn.Module):
@@ -44,14 +45,26 @@ class DecoderLayer(nn.Module):
         op(h, *self._fused_weights(), cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
            meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale)
 
+    def fused_op_name(self) -> str:
+        """decoder_layer_bf16 for dense weights; decoder_layer_quant where a linear keeps weight segments (the
+        quantized method), which the op takes as (tensors, ggml types) pairs."""
+        linears = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
+        segmented = any(hasattr(lin.method, "fused_segments") for lin in linears)
+        return "decoder_layer_quant" if segmented else "decoder_layer_bf16"
+
     def _fused_weights(self) -> tuple:
         """The op's weight arguments in its order, gathered once (the Parameters stay the same objects when
         weights are loaded, only their data changes)."""
         if not hasattr(self, "_weights_for_op"):
             a = self.attn
             q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.cfg.qk_norm else (None, None)
-            self._weights_for_op = (self.input_norm.weight, a.qkv.weight, a.qkv.bias, q_norm, k_norm, a.o.weight,
-                                    a.o.bias, self.post_norm.weight, self.mlp.gate_up.weight, self.mlp.down.weight)
+            if self.fused_op_name() == "decoder_layer_bf16":
+                w = {lin: (lin.weight,) for lin in (a.qkv, a.o, self.mlp.gate_up, self.mlp.down)}
+            else:
+                w = {lin: (lin.method.fused_segments(lin) if hasattr(lin.method, "fused_segments")
+                           else ([lin.weight], [0])) for lin in (a.qkv, a.o, self.mlp.gate_up, self.mlp.down)}
+            self._weights_for_op = (self.input_norm.weight, *w[a.qkv], a.qkv.bias, q_norm, k_norm, *w[a.o],
+                                    a.o.bias, self.post_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down])
         return self._weights_for_op
 
 
@@ -72,7 +85,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
-        h = F.embedding(input_ids, self.embed)
+        h = (self.embed.embedding(input_ids, self.dtype) if isinstance(self.embed, QuantTensor)
+             else F.embedding(input_ids, self.embed))
         cos, sin = self.rotary(positions, self.dtype)
         fused = self._fused_layer_op(h, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -90,4 +104,4 @@ class LlamaForCausalLM(CausalLM):
                 and h.shape[0] > 0 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
                 and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None
-        return bf16_kernel_op("decoder_layer_bf16")
+        return bf16_kernel_op(self.layers[0].fused_op_name())

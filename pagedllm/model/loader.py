@@ -62,8 +62,16 @@ def gguf_model_name(path: str) -> str:
     return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|BF16|F32)$", "", stem, flags=re.IGNORECASE) or stem
 
 
+QUANTIZATION = ("auto", "none", "int8")
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
-               attention_backend: str = "auto", load_tokenizer: bool = True) -> LoadedModel:
+               attention_backend: str = "auto", load_tokenizer: bool = True,
+               quantization: str = "auto") -> LoadedModel:
+    """quantization: "auto" runs GGUF block formats as stored (HF checkpoints as stored, i.e. dense), "none"
+    dequantizes everything to `dtype` (the oracle), "int8" quantizes HF float weights to int8 blocks at load."""
+    if quantization not in QUANTIZATION:
+        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATION))}, got {quantization!r}")
     t0 = time.perf_counter()
     if path is None:
         path = default_model_path()
@@ -78,9 +86,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
         elif ggufs:
             raise ValueError(f"{path} holds several .gguf files; pass one of them: {[os.path.basename(g) for g in ggufs]}")
     if os.path.isdir(path):
-        loaded = _load_hf(path, dtype, attention_backend, load_tokenizer)
+        loaded = _load_hf(path, dtype, attention_backend, load_tokenizer, quantization)
     elif path.endswith(".gguf") or _has_gguf_magic(path):
-        loaded = _load_gguf(path, dtype, attention_backend, load_tokenizer)
+        loaded = _load_gguf(path, dtype, attention_backend, load_tokenizer, quantization)
     else:
         raise ValueError(f"{path} is neither a directory nor a .gguf file")
     logger.info("loaded %s (%s, %s) in %.2f s", loaded.name, loaded.config.architecture,
@@ -105,34 +113,52 @@ def _single_threaded() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention_backend: str) -> nn.Module:
+def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention_backend: str,
+           linear_method=None) -> nn.Module:
     """The registry's model class for cfg, with the checkpoint's weights put in through `table`."""
-    model = registry.spec(cfg.architecture).model_cls()(cfg, dtype, attention_backend)
+    kw = {} if linear_method is None else {"linear_method": linear_method}
+    model = registry.spec(cfg.architecture).model_cls()(cfg, dtype, attention_backend, **kw)
     with torch.no_grad(), _single_threaded():
         load_weights(model, weights, table, cfg.num_layers)
     return model.eval()
 
 
-def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool) -> LoadedModel:
+def _quantized_method(quantize_floats: bool):
+    """The quantized LinearMethod, or None (dense weights) where the kernel cannot be built here."""
+    from pagedllm.quantization.linear_method import QuantizedLinearMethod
+    from pagedllm.quantization.tensor import kernel_available
+
+    if kernel_available():
+        return QuantizedLinearMethod(quantize_floats)
+    logger.warning("the quantized GEMM kernel is not available: weights are dequantized (quantization='none')")
+    return None
+
+
+def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool,
+             quantization: str = "auto") -> LoadedModel:
     from pagedllm.model import hf_loader
 
     cfg, _ = hf_loader.read_hf_config(path)
     tdtype = resolve_dtype(dtype)
     table = registry.spec(cfg.architecture).hf_names
-    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend)
+    method = _quantized_method(quantize_floats=True) if quantization == "int8" else None
+    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend, method)
     tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)
 
 
-def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool) -> LoadedModel:
+def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool,
+               quantization: str = "auto") -> LoadedModel:
     from pagedllm.model import gguf_loader
 
     f = gguf_loader.read_gguf(path)
     cfg = gguf_loader.config_from_gguf(f)
     tdtype = resolve_dtype(dtype)
     table = registry.spec(cfg.architecture).gguf_names
-    model = _build(cfg, tdtype, gguf_loader.iter_gguf_weights(f, cfg), table, attention_backend)
+    method = _quantized_method(quantize_floats=False) if quantization != "none" else None
+    weights = gguf_loader.iter_gguf_weights(f, cfg, as_stored=method is not None)
+    model = _build(cfg, tdtype, weights, table, attention_backend, method)
     tok = load_gguf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path)

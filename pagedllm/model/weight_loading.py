@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.model.linear import Linear, load_dense
 from pagedllm.model.weight_names import IGNORED_SUFFIXES, TIED_COPIES, Target, expand
+from pagedllm.quantization.tensor import QuantTensor
 
 
 def _owner(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
@@ -42,6 +43,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         owner, leaf = _owner(model, path)
         if isinstance(owner, Linear):
             owner.load_weight(leaf, tensor, shard, name)
+        elif isinstance(tensor, QuantTensor):  # an embedding table kept in its stored blocks
+            tensor.replace_parameter(owner, leaf, name)
         else:
             load_dense(getattr(owner, leaf), tensor, name)
         seen.add(name)

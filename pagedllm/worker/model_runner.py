@@ -48,6 +48,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
                             self.kv_caches, meta)
         self.last_hidden = hidden  # every new token's hidden state, in scheduled order (prompt_logprobs)
+        if not logit_rows:  # a step of prefill chunks only
+            return torch.empty(0, self.vocab_size)
         if self._logits.shape[0] < len(logit_rows):
             self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32)
         rows = torch.tensor(logit_rows, dtype=torch.int64)

@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "common.h"
+#include "quant_gemm.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DL_ENABLED 1
@@ -98,6 +100,40 @@ void silu_mul(const Bf16* g, const Bf16* u, Bf16* out, int64_t n) {
   }
 }
 
+#endif
+
+// A linear layer's weight: one dense bf16 [N, K] matrix, or row segments (q|k|v, gate|up: one per checkpoint
+// tensor) each either dense bf16 (type kDense) or GGUF blocks, uint8 [n_i, row bytes] of ggml type types[i]
+// (quant_gemm.h), writing output columns sum(n_<i) .. + n_i.
+constexpr int64_t kDense = 0;
+
+struct LinearWeight {
+  std::vector<at::Tensor> segs;
+  std::vector<int64_t> types;
+
+  int64_t rows() const {
+    int64_t n = 0;
+    for (const auto& s : segs) n += s.size(0);
+    return n;
+  }
+  bool dense() const { return segs.size() == 1 && types[0] == kDense; }
+};
+
+void check_linear(const LinearWeight& w, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(!w.segs.empty() && w.segs.size() == w.types.size() && w.rows() == rows, "decoder_layer: ", name,
+              " has the wrong rows or segment list");
+  for (size_t i = 0; i < w.segs.size(); ++i) {
+    const at::Tensor& s = w.segs[i];
+    const bool ok = w.types[i] == kDense
+                        ? s.scalar_type() == at::kBFloat16 && s.dim() == 2 && s.size(1) == cols
+                        : s.scalar_type() == at::kByte && s.dim() == 2 &&
+                              s.size(1) == pagedllm::quant_row_bytes(w.types[i], cols);
+    TORCH_CHECK(ok && s.is_contiguous(), "decoder_layer: ", name, " segment ", i, " is not contiguous bf16 or ",
+                "uint8 blocks of its type for ", cols, " inputs");
+  }
+}
+
+#if DL_ENABLED
 // out = x @ w^T (+ bias) like the model's linear(): the bandwidth-bound small GEMM for a few rows (the bias added
 // to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does).
 void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -111,6 +147,28 @@ void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Te
   } else {
     at::mm_out(out, x, w.t());
   }
+}
+
+// The same for a segmented weight: each quantized segment through quant_gemm into its columns (the bias added to
+// the rounded product, as the model's quantized linear method does).
+void linear(const at::Tensor& x, const LinearWeight& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  if (w.dense()) return linear(x, w.segs[0], bias, out);
+  const int64_t rows = x.size(0), n = out.size(1);
+  int64_t col = 0;
+  for (size_t i = 0; i < w.segs.size(); ++i) {
+    const at::Tensor& s = w.segs[i];
+    if (w.types[i] == kDense) {
+      at::Tensor part = at::empty({rows, s.size(0)}, out.options());
+      linear(x, s, std::nullopt, part);
+      out.narrow(1, col, s.size(0)).copy_(part);
+    } else {
+      pagedllm::quant_gemm_raw(x.data_ptr(), false, s.data_ptr<uint8_t>(), w.types[i], data(out) + col, false, rows,
+                               s.size(0), x.size(1), n);
+    }
+    col += s.size(0);
+  }
+  if (bias)
+    for (int64_t r = 0; r < rows; ++r) add_into(data(out) + r * n, data(*bias), n);
 }
 
 template <typename F>
@@ -130,14 +188,14 @@ void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* n
 
 // h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
 // at slot_mapping before attention reads them.
-void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Tensor& qkv_w,
-                        const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
-                        const std::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
-                        const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
-                        const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale) {
+void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeight& qkv_w,
+                   const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
+                   const std::optional<at::Tensor>& k_norm, const LinearWeight& o_w,
+                   const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm, const LinearWeight& gate_up_w,
+                   const LinearWeight& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                   at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads, double eps,
+                   double scale) {
 #if DL_ENABLED
   TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.is_contiguous(),
               "decoder_layer_bf16: h must be contiguous bf16 [tokens, hidden]");
@@ -147,13 +205,13 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
               "decoder_layer_bf16: K/V caches must be contiguous bf16 [blocks, block_size, kv_heads, head_dim]");
   const int64_t M = h.size(0), H = h.size(1), hkv = k_cache.size(2), d = k_cache.size(3);
   const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
-  const int64_t inter = down_w.size(1);
+  const int64_t inter = gate_up_w.rows() / 2;
   check_weight(input_norm, H, 0, "input_norm");
   check_weight(post_norm, H, 0, "post_norm");
-  check_weight(qkv_w, qkv_size, H, "qkv");
-  check_weight(o_w, H, q_size, "o");
-  check_weight(gate_up_w, 2 * inter, H, "gate_up");
-  check_weight(down_w, H, inter, "down");
+  check_linear(qkv_w, qkv_size, H, "qkv");
+  check_linear(o_w, H, q_size, "o");
+  check_linear(gate_up_w, 2 * inter, H, "gate_up");
+  check_linear(down_w, H, inter, "down");
   if (qkv_b) check_weight(*qkv_b, qkv_size, 0, "qkv_bias");
   if (o_b) check_weight(*o_b, H, 0, "o_bias");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer_bf16: q_norm and k_norm go together");
@@ -214,6 +272,39 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
 #endif
 }
 
+void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Tensor& qkv_w,
+                        const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
+                        const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
+                        const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale) {
+  const auto dense = [](const at::Tensor& w) { return LinearWeight{{w}, {kDense}}; };
+  decoder_layer(h, input_norm, dense(qkv_w), qkv_b, q_norm, k_norm, dense(o_w), o_b, post_norm, dense(gate_up_w),
+                dense(down_w), cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                num_heads, eps, scale);
+}
+
+// The layer with segmented weights (LinearWeight): GGUF blocks run as stored, dense bf16 segments as above.
+void decoder_layer_quant(at::Tensor h, const at::Tensor& input_norm, std::vector<at::Tensor> qkv_segs,
+                         std::vector<int64_t> qkv_types, const std::optional<at::Tensor>& qkv_b,
+                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                         std::vector<at::Tensor> o_segs, std::vector<int64_t> o_types,
+                         const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
+                         std::vector<at::Tensor> gate_up_segs, std::vector<int64_t> gate_up_types,
+                         std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale) {
+  decoder_layer(h, input_norm, {qkv_segs, qkv_types}, qkv_b, q_norm, k_norm, {o_segs, o_types}, o_b, post_norm,
+                {gate_up_segs, gate_up_types}, {down_segs, down_types}, cos, sin, k_cache, v_cache, slot_mapping,
+                block_tables, seq_lens, query_start_loc, num_heads, eps, scale);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("decoder_layer_bf16", &decoder_layer_bf16); }
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("decoder_layer_bf16", &decoder_layer_bf16);
+  m.def("decoder_layer_quant", &decoder_layer_quant);
+}

@@ -1,0 +1,226 @@
+"""Realistic sizes: pagedllm (weights as stored, and dequantized) vs llama.cpp on the same GGUF file.
+
+`pagedllm bench realistic --model F.gguf` or `--shape tinyllama-1.1b --type Q4_0` (the file is written once by
+`bench make-model` into the cache). Every system runs in its own processes (peak RSS is per process): a
+"single" process loads the model with a 2048-token context budget and measures load time, single-stream decode
+(8-token prompt, greedy, EOS ignored) and prefill; an "offline" process runs the 64-request workload
+(pagedllm batches it; llama-cpp-python runs one request at a time, so it runs the first few requests and its rate
+is carried over: the requests are i.i.d.). Ratios are of numbers taken in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from pagedllm.benchmarks import common
+
+SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"}, "llama.cpp": {}}
+CONTEXT = 2048  # tokens of KV cache for the single-stream process (llama.cpp's n_ctx, pagedllm's blocks)
+
+
+def _workloads(model: str, quick: bool) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = common.normal_token_ids(model)
+    n_req, out_len = (16, (8, 32)) if quick else (64, (16, 128))
+    offline = common.offline_workload(n_req, (32, 256), out_len, seed=1, model_path=model)
+    return {"decode_prompt": common.random_prompts(rng, ids, [8])[0], "decode_tokens": 16 if quick else 64,
+            "prefill_prompts": common.random_prompts(rng, ids, [128 if quick else 512] * 2),
+            "offline": offline.to_json(), "llama_offline_requests": 2 if quick else 8}
+
+
+# ---- the systems, behind one small interface --------------------------------------------------------------
+class _Pagedllm:
+    def __init__(self, model: str, quantization: str, kv_tokens: int | None, dtype: str):
+        from pagedllm import LLM
+
+        kw = {"num_kv_blocks": kv_tokens // 16, "block_size": 16} if kv_tokens else {"kv_cache_memory": "1GiB"}
+        t0 = time.perf_counter()
+        self.llm = LLM(model, dtype=dtype, quantization=quantization, **kw)
+        self.load_s = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
+        from pagedllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.llm.engine.kv.reset_prefix_cache()
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+class _LlamaCpp:
+    def __init__(self, model: str, kv_tokens: int | None, threads: int):
+        from llama_cpp import Llama
+
+        t0 = time.perf_counter()
+        self.llm = Llama(model_path=model, n_ctx=kv_tokens or CONTEXT, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)
+        self.load_s = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
+        total = 0
+        for p, n in zip(prompts, max_tokens, strict=True):  # one stream at a time
+            k = 0
+            for _ in self.llm.generate(p, temp=0.0, top_k=1, reset=True):  # yields past EOS: stop by count
+                k += 1
+                if k == n:
+                    break
+            total += k
+        return total
+
+
+def _open(system: str, model: str, kv_tokens: int | None, threads: int, dtype: str):
+    if system == "llama.cpp":
+        return _LlamaCpp(model, kv_tokens, threads)
+    return _Pagedllm(model, SYSTEMS[system]["quantization"], kv_tokens, dtype)
+
+
+def _best(f, repeats: int = 2) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
+    m = _open(system, model, CONTEXT, threads, dtype)
+    p, d = wl["decode_prompt"], wl["decode_tokens"]
+    m.generate([p], [2])  # warm-up (kernel load, allocator)
+    t_first = _best(lambda: m.generate([p], [1]))
+    t_all = _best(lambda: m.generate([p], [1 + d]))
+    prefill = wl["prefill_prompts"]
+    t_prefill = min(_best(lambda q=q: m.generate([q], [1]), 1) for q in prefill)
+    return {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "ttft_s": t_first,
+            "prefill_tok_s": len(prefill[0]) / t_prefill, "peak_rss_mb": common.peak_rss_mb()}
+
+
+def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
+    off = common.Workload.from_json(wl["offline"])
+    if system == "llama.cpp":
+        off = off.head(wl["llama_offline_requests"])
+    m = _open(system, model, None, threads, dtype)
+    m.generate([off.prompts[0][:16]], [2])  # warm-up
+    t0 = time.perf_counter()
+    n = m.generate(off.prompts, off.output_lens)
+    elapsed = time.perf_counter() - t0
+    return {"offline_requests": len(off.prompts), "offline_out_tok_s": n / elapsed,
+            "offline_req_s": len(off.prompts) / elapsed, "offline_peak_rss_mb": common.peak_rss_mb()}
+
+
+# ---- driver ------------------------------------------------------------------------------------------
+def _subprocess(phase: str, system: str, model: str, wl_path: str, threads: int, dtype: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, "-m", "pagedllm.benchmarks.realistic", "--worker", phase, "--system", system,
+           "--model", model, "--workload", wl_path, "--out", out, "--threads", str(threads), "--dtype", dtype]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    with open(out, encoding="utf-8") as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from pagedllm.benchmarks.make_model import cached_model
+
+    return cached_model(args.shape, args.type)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a GGUF file (default: --shape/--type, written once)")
+    p.add_argument("--shape", default="tinyllama-1.1b")
+    p.add_argument("--type", default="Q4_0")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    p.add_argument("--phases", default="single,offline")
+    p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
+    p.add_argument("--dtype", default=default_dtype(), choices=["float32", "bfloat16"],
+                   help="pagedllm's activations (default: bfloat16 where the CPU has avx512_bf16, else float32)")
+    p.add_argument("--quick", action="store_true", help="fewer tokens and requests (checks the command runs)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--system", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.worker:
+        common.set_threads(args.threads)
+        with open(args.workload, encoding="utf-8") as f:
+            wl = json.load(f)
+        fn = run_single if args.worker == "single" else run_offline
+        res = fn(args.system, args.model, wl, args.threads, args.dtype)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f)
+        return res
+    model = resolve_model(args)
+    systems = [s for s in args.systems.split(",") if s]
+    if "llama.cpp" in systems and not _has_llama_cpp():
+        print("llama-cpp-python is not installed (make bench-setup): skipping llama.cpp")
+        systems.remove("llama.cpp")
+    wl = _workloads(model, args.quick)
+    wl_path = common.out_path("realistic-workload", "json")
+    with open(wl_path, "w", encoding="utf-8") as f:
+        json.dump(wl, f)
+    rows = []
+    for system in systems:
+        row = {"system": system}
+        for phase in args.phases.split(","):
+            row.update(_subprocess(phase, system, model, wl_path, args.threads, args.dtype))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    ratios = _ratios(rows)
+    title = f"realistic: {os.path.basename(model)}, {args.threads} threads, pagedllm {args.dtype}" + (" (quick)" if args.quick else "")
+    print(common.table(rows, title=title))
+    print(common.table(ratios, title="ratios (same run)"))
+    payload = {"model": model, "rows": rows, "ratios": ratios, "env": common.environment(args.threads),
+               "quick": args.quick}
+    common.save(f"realistic-{os.path.basename(model).removesuffix('.gguf')}", payload)
+    return payload
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    by = {r["system"]: r for r in rows}
+    out = []
+    for base in ("llama.cpp", "pagedllm-dequant"):
+        if "pagedllm" not in by or base not in by:
+            continue
+        ours, ref = by["pagedllm"], by[base]
+        out.append({"pagedllm vs": base, **{k: ours[k] / ref[k] for k in
+                    ("decode_tok_s", "prefill_tok_s", "offline_out_tok_s", "peak_rss_mb", "load_s")
+                    if k in ours and k in ref and ref[k]}})
+    return out
+
+
+def default_dtype() -> str:
+    """bf16 activations only where the CPU computes in bf16 (avx512_bf16); emulated bf16 is slower than fp32."""
+    from pagedllm.kernels.build import cpu_flags
+
+    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
+
+
+def _has_llama_cpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Speculative decoding: output tok/s with n-gram prompt lookup against plain decoding, in the same run.
+
+`pagedllm bench spec [--quick] [--k 4] [--repeats N]`. Three workloads, each run plain and speculative on two
+engines with the same weights (runs alternate, medians over --repeats):
+- grounded: one stream that edits a given piece of code (most of the answer is in the prompt);
+- open: one stream of open-ended writing (few n-gram matches);
+- batch: 64 running requests (16 with --quick), half grounded, half open (speculation switches off above
+  `disable_by_batch_size`).
+Greedy, so the two engines must produce the same text (the `same` column). Targets: grounded >= 2x, open and
+batch no more than 3% slower. Reports acceptance rate and mean accepted length (tokens per verification).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from pagedllm.benchmarks import common
+
+CODE = '''def moving_average(values, window):
+    """Mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+
+
+def exponential_average(values, alpha):
+    """Exponentially weighted mean, newest value weighted by alpha."""
+    if not 0 < alpha <= 1:
+        raise ValueError("alpha must be in (0, 1]")
+    result = []
+    current = None
+    for value in values:
+        current = value if current is None else alpha * value + (1 - alpha) * current
+        result.append(current)
+    return result
+'''
+
+GROUNDED = [f"Rewrite this Python code with the function moving_average renamed to rolling_mean. Output only the "
+            f"code.\n\n{CODE}",
+            f"Copy the following code exactly, adding type hints to every function signature:\n\n{CODE}"]
+OPEN = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Describe, in a few paragraphs, how a city might change over the next hundred years."]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    common.add_common_args(p, "short outputs, 16 running in the batch workload")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--prompt-lookup", type=common.int_range, default=(2, 4), help="n-gram lengths 'min,max'")
+    p.add_argument("--output-len", type=int, default=None, help="tokens per stream (default 256; --quick 48)")
+    p.add_argument("--batch", type=int, default=None, help="requests of the batch workload (default 64)")
+
+
+def _run(llm, prompts: list[str], params) -> tuple[float, list[str], int]:
+    llm.engine.reset_stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return elapsed, [o.outputs[0].text for o in outs], sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    common.set_threads(args.threads)
+    q = args.quick
+    olen = args.output_len or (48 if q else 256)
+    batch = args.batch or (16 if q else 64)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.prompt_lookup[0],
+            "prompt_lookup_max": args.prompt_lookup[1]}
+    plain = LLM(**common.llm_kwargs(args))
+    fast = LLM(**common.llm_kwargs(args, speculative_config=spec))
+    for llm in (plain, fast):
+        common.warm_up(llm)
+    chat = plain.engine.apply_chat_template
+    workloads = {"grounded": [chat([{"role": "user", "content": GROUNDED[0]}])],
+                 "open": [chat([{"role": "user", "content": OPEN[0]}])],
+                 "batch": [chat([{"role": "user", "content": (GROUNDED + OPEN)[i % 4]}]) for i in range(batch)]}
+    params = SamplingParams(temperature=0.0, max_tokens=olen)
+    rows = []
+    for name, prompts in workloads.items():
+        times: dict[str, list[float]] = {"plain": [], "spec": []}
+        for _ in range(max(1, args.repeats)):
+            (tp, text_p, n_p), (ts, text_s, n_s) = _run(plain, prompts, params), _run(fast, prompts, params)
+            times["plain"].append(tp)
+            times["spec"].append(ts)
+        stats = fast.engine.spec_decode_stats()
+        plain_tps, spec_tps = n_p / statistics.median(times["plain"]), n_s / statistics.median(times["spec"])
+        rows.append({"workload": name, "requests": len(prompts), "output_tokens": n_s, "plain_tok_s": plain_tps,
+                     "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps,
+                     "acceptance_rate": stats["acceptance_rate"],
+                     "mean_accepted_length": stats["mean_accepted_length"], "same": text_p == text_s})
+        print(f"{name}: plain {plain_tps:.1f} tok/s, n-gram {spec_tps:.1f} tok/s", file=sys.stderr, flush=True)
+    print(common.table(rows, title=f"speculative decoding, n-gram k={args.k} lookup {args.prompt_lookup}, "
+                                   f"{olen} output tokens, greedy"))
+    payload = {"bench": "spec", "env": common.environment(args.threads), "speculative_config": spec,
+               "output_len": olen, "results": rows}
+    jp, _ = common.save("spec" + args.tag, payload, None, args.out_dir)
+    print(f"wrote {jp}")
+    return payload
+
+
+run = measure  # what `pagedllm bench` calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.bench_main("spec", __doc__, add_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+// Quantized GGUF linear layers: out[M, N] = x[M, K] @ W[N, K]^T with W in its stored ggml block format.
+//
+// Every row of x is quantized to int8 per 32-element block (llama.cpp's Q8_0 activations, fp32 scale); every
+// weight row is unpacked once per call into unsigned codes q with a scale s and an offset o per 16 elements
+// (w = s * q + o: Q4_0 is s = d, o = -8d; Q8_0 is q + 128, o = -128d; K-quants fold their sub-scales and mins in),
+// so that one integer dot kernel (AVX-512 VNNI vpdpbusd, u8 x s8) serves all types. Each output is computed the
+// same way whatever M is and wherever its row sits in the batch (fixed lane mapping and reduction order).
+#pragma once
+
+#include <cstdint>
+
+namespace pagedllm {
+
+// ggml type ids (the GGUF file's) this kernel reads.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+bool quant_type_supported(int64_t qtype);
+int64_t quant_row_bytes(int64_t qtype, int64_t K);  // bytes of one stored weight row of K elements (0: unsupported)
+bool quant_gemm_has_vnni();
+
+// out[M, N] (fp32 if out_f32 else bf16; row stride ldo elements) = x[M, K] @ W^T, where x is bf16 (x_f32 = false)
+// or fp32 and W holds N rows of quant_row_bytes(qtype, K) bytes. Parallel over N across torch's threads.
+void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, void* out, bool out_f32,
+                    int64_t M, int64_t N, int64_t K, int64_t ldo);
+
+}  // namespace pagedllm

@@ -1,0 +1,171 @@
+"""Random-weight GGUF files of a given shape and quantization type (benchmark models and test fixtures).
+
+Weights are random normals quantized with `gguf.quants.quantize` where the gguf package has a quantizer (F32,
+F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0). The package has no K-quant quantizer, so Q4_K/Q5_K/Q6_K tensors are written as
+random but well-formed blocks (random codes, sub-scales and mins, super-scales chosen so that the weights have
+about the same spread as the normals): for a random-weight model either is as good. Q4_K_M mixes Q4_K and Q6_K as
+llama.cpp's quantizer does (Q6_K for the output head and for attn_v/ffn_down of some layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+# name -> (block elements, block bytes); the ggml type ids are gguf.GGMLQuantizationType's
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: str  # GGUF architecture: llama | qwen2
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = 49152  # the embedded SmolLM2 tokenizer's vocabulary
+    tied: bool = False
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    context: int = 4096
+
+
+SHAPES = {
+    "tinyllama-1.1b": ModelShape("llama", 22, 2048, 5632, 32, 4, 64),
+    "qwen2.5-0.5b": ModelShape("qwen2", 24, 896, 4864, 14, 2, 64, tied=True, rope_theta=1e6, eps=1e-6),
+    "qwen2.5-1.5b": ModelShape("qwen2", 28, 1536, 8960, 12, 2, 128, tied=True, rope_theta=1e6, eps=1e-6),
+}
+
+
+def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: int) -> str:
+    """The ggml type of one weight matrix in a file of `file_type` (norms and biases are always F32)."""
+    t = file_type
+    if file_type == "Q4_K_M":
+        more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+        t = "Q6_K" if name == "output" or (name in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
+    if BLOCKS[t][0] == 256 and cols % 256:  # K-quants need rows of whole 256-blocks: llama.cpp falls back too
+        t = "Q8_0" if t == "Q6_K" else "Q5_0"
+    return t
+
+
+def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
+    """Well-formed random K-quant blocks as bytes [rows, cols / 256 * block_bytes]."""
+    nb = rows * cols // 256
+    d = np.full((nb, 1), 0, np.float16)
+    if qtype in ("Q4_K", "Q5_K"):
+        qmax = 15 if qtype == "Q4_K" else 31
+        sc = rng.integers(32, 64, (nb, 8), dtype=np.uint8)  # 6-bit sub-scales; mins = scales centre the codes
+        d[:] = np.float16(std / (48 * qmax * 0.29))  # uniform codes: std qmax * 0.29
+        scales = np.zeros((nb, 12), np.uint8)  # get_scale_min_k4 packing, scales == mins
+        scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+        scales[:, 4:8] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+        scales[:, 8:12] = (sc[:, 4:8] & 15) | ((sc[:, 4:8] & 15) << 4)
+        dmin = (d.astype(np.float32) * qmax / 2).astype(np.float16)
+        parts = [d.view(np.uint8), dmin.view(np.uint8), scales]
+        if qtype == "Q5_K":
+            parts.append(rng.integers(0, 256, (nb, 32), dtype=np.uint8))
+        parts.append(rng.integers(0, 256, (nb, 128), dtype=np.uint8))
+    else:  # Q6_K: ql[128], qh[64], int8 scales[16], fp16 d
+        sc = rng.integers(16, 64, (nb, 16), dtype=np.int8) * rng.choice(np.array([-1, 1], np.int8), (nb, 16))
+        d[:] = np.float16(std * 1.7 / (40 * 32))
+        parts = [rng.integers(0, 256, (nb, 192), dtype=np.uint8), sc.view(np.uint8), d.view(np.uint8)]
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
+    """Random weights [rows, cols] in the stored form of `qtype` (numpy array for GGUFWriter.add_tensor)."""
+    import gguf
+
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        return random_kquant(rng, rows, cols, qtype, std)
+    w = (rng.standard_normal((rows, cols), dtype=np.float32) * std)
+    if qtype == "F32":
+        return w
+    if qtype == "F16":
+        return w.astype(np.float16)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+
+
+def _copy_tokenizer(writer, source: str) -> None:
+    """The tokenizer.* metadata of `source` (the embedded SmolLM2 by default), with their GGUF value types."""
+    from gguf import GGUFReader, GGUFValueType
+
+    for field in GGUFReader(source).fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        vtype = GGUFValueType(field.types[0])
+        sub = GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub)
+
+
+def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 0,
+                      tokenizer_from: str | None = "default", std: float = 0.02) -> None:
+    """Write a random-weight model of `shape` as `file_type` (one of FILE_TYPES). tokenizer_from: a GGUF whose
+    tokenizer to copy ("default": the embedded SmolLM2; None: no tokenizer, for kernel tests)."""
+    import gguf
+
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown type {file_type!r}; choose from {', '.join(FILE_TYPES)}")
+    rng = np.random.default_rng(seed)
+    s = shape
+    w = gguf.GGUFWriter(path, s.arch)
+    w.add_name(f"random-{s.arch}-{s.layers}x{s.hidden}")
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.eps)
+    w.add_vocab_size(s.vocab)
+    if tokenizer_from is not None:
+        if tokenizer_from == "default":
+            from pagedllm.model.loader import default_model_path
+
+            tokenizer_from = default_model_path()
+        _copy_tokenizer(w, tokenizer_from)
+
+    def matrix(name: str, rows: int, cols: int, layer: int = 0) -> None:
+        qtype = tensor_type(file_type, name.split(".")[-2], layer, s.layers, cols)
+        data = quantized(rng, rows, cols, qtype, std)
+        raw = gguf.GGMLQuantizationType[qtype] if data.dtype == np.uint8 else None
+        w.add_tensor(name, data, raw_dtype=raw)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    matrix("token_embd.weight", s.vocab, s.hidden)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", s.hidden)
+        for name, rows, cols in (("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
+                                 ("attn_output", s.hidden, q), ("ffn_gate", s.ffn, s.hidden),
+                                 ("ffn_up", s.ffn, s.hidden), ("ffn_down", s.hidden, s.ffn)):
+            matrix(f"{p}{name}.weight", rows, cols, i)
+        if s.arch == "qwen2":
+            for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                w.add_tensor(f"{p}{name}.bias", (0.02 * rng.standard_normal(n)).astype(np.float32))
+        norm(p + "ffn_norm.weight", s.hidden)
+    norm("output_norm.weight", s.hidden)
+    if not s.tied:
+        matrix("output.weight", s.vocab, s.hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny_shape(arch: str = "llama", **overrides) -> ModelShape:
+    """A model small enough for unit tests, with 256-multiple widths so that every type fits."""
+    base = ModelShape(arch, 2, 256, 512, 4, 2, 64, vocab=320, tied=arch == "qwen2")
+    return replace(base, **overrides)

@@ -1,0 +1,118 @@
+"""A weight matrix in a ggml block format, as stored (a view of the memory-mapped GGUF file, or owned bytes), and
+the ops that read it: the quantized GEMM kernel, row gathers for embeddings, dequantization for the oracle."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# ggml type id -> (name, elements per block, bytes per block) for the types the kernel runs as stored
+KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
+TYPE_IDS = {name: tid for tid, (name, _, _) in KERNEL_TYPES.items()}
+
+
+def runs_as_stored(ggml_type: int, cols: int) -> bool:
+    """Whether the kernel reads this type directly (rows of whole blocks)."""
+    info = KERNEL_TYPES.get(ggml_type)
+    return info is not None and cols % info[1] == 0
+
+
+def row_bytes(ggml_type: int, cols: int) -> int:
+    _, block, nbytes = KERNEL_TYPES[ggml_type]
+    return cols // block * nbytes
+
+
+def bytes_view(blob: np.ndarray, offset: int, rows: int, nbytes_per_row: int) -> torch.Tensor:
+    """uint8 [rows, bytes] over a read-only memory map without a copy (the kernels never write weights)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(blob[offset:offset + rows * nbytes_per_row]).view(rows, nbytes_per_row)
+
+
+@dataclass
+class QuantTensor:
+    """rows x cols weights in ggml type `qtype`; data is uint8 [rows, row_bytes]."""
+
+    data: torch.Tensor
+    qtype: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.cols)
+
+    @property
+    def type_name(self) -> str:
+        return KERNEL_TYPES[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def numel(self) -> int:
+        return self.data.shape[0] * self.cols
+
+    def replace_parameter(self, owner: torch.nn.Module, leaf: str, name: str) -> None:
+        """Take the place of the dense Parameter owner.<leaf> (an embedding table), after checking its shape."""
+        want = tuple(getattr(owner, leaf).shape)
+        if self.shape != want:
+            raise ValueError(f"weight {name!r}: shape {self.shape} does not match the config ({want})")
+        delattr(owner, leaf)
+        setattr(owner, leaf, self)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows at ids, dequantized to dtype (F.embedding for a table kept in blocks)."""
+        return self.rows(ids).dequantize().to(dtype)
+
+    def rows(self, index: torch.Tensor) -> QuantTensor:
+        """The rows at `index` (a copy): for llama.cpp's Q/K row permutation and for embedding lookups."""
+        return QuantTensor(self.data[index], self.qtype, self.cols)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]: the oracle's weights."""
+        from pagedllm.model import dequant
+
+        return dequant.dequantize(self.data.numpy().reshape(-1), self.type_name, self.shape)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, cols] (bf16 or fp32) @ W^T -> [M, rows] of x's dtype (or into out, which may be a column slice)."""
+        if out is None:
+            out = torch.empty(x.shape[0], self.data.shape[0], dtype=x.dtype)
+        kernel_op("quant_gemm")(out, x.contiguous(), self.data, self.qtype)
+        return out
+
+
+def kernel_op(name: str):
+    from pagedllm.kernels import kernel_op as op
+
+    found = op(name)
+    if found is None:
+        raise RuntimeError("the quantized GEMM kernel is not available (the C++ extension failed to build); "
+                           "load with quantization='none'")
+    return found
+
+
+def kernel_available() -> bool:
+    from pagedllm.kernels import kernel_op as op
+
+    return op("quant_gemm") is not None
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
+    """Q8_0 blocks of a float matrix (cols a multiple of 32): per 32 weights an fp16 scale amax/127 and int8
+    codes rounded to nearest. Used for `quantization="int8"` on HF checkpoints."""
+    rows, cols = w.shape
+    if cols % 32:
+        raise ValueError(f"int8 quantization needs input sizes that are multiples of 32, got {cols}")
+    blocks = w.float().reshape(rows, cols // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127.0).to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
+    data = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1).contiguous()
+    return QuantTensor(data, TYPE_IDS["Q8_0"], cols)

@@ -1,0 +1,121 @@
+"""Models on GGUF weights run as stored (quantization="auto") against the same file dequantized ("none", the
+oracle), on tiny random-weight files of every type; memory stays the file's; the int8 mode on HF checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import allocate_kv_caches, load_model
+from pagedllm.model.linear import Linear
+from pagedllm.quantization.gguf_writer import FILE_TYPES, tiny_shape, write_random_gguf
+from pagedllm.quantization.linear_method import QuantizedLinearMethod, weight_bytes
+from pagedllm.quantization.tensor import QuantTensor, kernel_available
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels could not be built")
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("quant-gguf")
+
+
+def _file(gguf_dir, file_type: str, arch: str = "llama") -> str:
+    path = gguf_dir / f"tiny-{arch}-{file_type}.gguf"
+    if not path.exists():
+        write_random_gguf(str(path), tiny_shape(arch), file_type, seed=3, tokenizer_from=None)
+    return str(path)
+
+
+def _prefill_logits(loaded, tokens: list[int], dtype=torch.float32) -> torch.Tensor:
+    kv = allocate_kv_caches(loaded.config, BS, dtype, num_blocks=8)
+    meta = build_attention_metadata([list(range(-(-len(tokens) // BS)))], [0], [len(tokens)], BS)
+    ids, pos = torch.tensor(tokens), torch.arange(len(tokens))
+    return loaded.model.compute_logits(loaded.model(ids, pos, kv, meta))
+
+
+def _load(path: str, quantization: str, dtype: str = "float32"):
+    return load_model(path, dtype, attention_backend="reference", load_tokenizer=False, quantization=quantization)
+
+
+@pytest.mark.parametrize("file_type", [t for t in FILE_TYPES if t not in ("F32", "F16", "BF16")])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_close_to_dequantized(gguf_dir, file_type, arch):
+    if arch == "qwen2" and file_type not in ("Q4_0", "Q4_K_M"):
+        pytest.skip("qwen2 (biases, tied head) on two types is enough")
+    path = _file(gguf_dir, file_type, arch)
+    quant, oracle = _load(path, "auto"), _load(path, "none")
+    layer = quant.model.layers[0].attn.qkv
+    assert isinstance(layer.method, QuantizedLinearMethod) and all(isinstance(s, QuantTensor) for s in layer.segments)
+    tokens = [int(t) for t in torch.randint(0, 320, (21,), generator=torch.Generator().manual_seed(5))]
+    got, want = _prefill_logits(quant, tokens), _prefill_logits(oracle, tokens)
+    # the only difference is the int8 rounding of activations inside each linear
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 0.03, f"relative logit error {err:.4f}"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_bf16_model_runs_quantized(gguf_dir):
+    path = _file(gguf_dir, "Q4_0")
+    quant, oracle = _load(path, "auto", "bfloat16"), _load(path, "none", "float32")
+    tokens = list(range(3, 40))
+    got, want = _prefill_logits(quant, tokens, torch.bfloat16), _prefill_logits(oracle, tokens)
+    assert float((got - want).abs().max() / want.abs().max()) < 0.06
+
+
+def test_resident_weights_are_the_files(gguf_dir):
+    """Every linear and the embedding stay in their stored bytes: nothing of full precision but the norms."""
+    import os
+
+    path = _file(gguf_dir, "Q4_K_M")
+    quant = _load(path, "auto")
+    linear_bytes = sum(weight_bytes(m) for m in quant.model.modules() if isinstance(m, Linear))
+    embed = quant.model.embed
+    assert isinstance(embed, QuantTensor)
+    dense = sum(p.numel() * p.element_size() for p in quant.model.parameters())  # norms (and biases)
+    assert linear_bytes + embed.nbytes + dense <= 1.1 * os.path.getsize(path)
+
+
+def test_float_files_stay_dense(gguf_dir):
+    path = _file(gguf_dir, "F16")
+    quant = _load(path, "auto")
+    assert all(isinstance(s, torch.Tensor) for s in quant.model.layers[0].mlp.gate_up.segments)
+    tokens = list(range(5, 30))
+    torch.testing.assert_close(_prefill_logits(quant, tokens), _prefill_logits(_load(path, "none"), tokens))
+
+
+def test_int8_on_hf_checkpoint(tmp_path):
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "hf", "llama", seed=1)
+    int8, dense = _load(str(path), "int8"), _load(str(path), "none")
+    assert all(isinstance(s, QuantTensor) and s.type_name == "Q8_0" for s in int8.model.layers[0].attn.qkv.segments)
+    tokens = list(range(7, 30))
+    got, want = _prefill_logits(int8, tokens), _prefill_logits(dense, tokens)
+    assert float((got - want).abs().max() / want.abs().max()) < 0.03
+
+
+def test_unknown_quantization_is_rejected(gguf_dir):
+    with pytest.raises(ValueError, match="quantization"):
+        _load(_file(gguf_dir, "Q8_0"), "fp4")
+
+
+def test_fused_layer_matches_torch_layers(gguf_dir):
+    """The fused C++ decoder layer on quantized segments (bf16, C++ attention) against the same model's torch
+    layers: same kernels for the linears, so close to bf16 rounding."""
+    from pagedllm.model.layers import bf16_kernel_op
+
+    if bf16_kernel_op("decoder_layer_quant") is None:
+        pytest.skip("no avx512_bf16 fused layer on this CPU")
+    path = _file(gguf_dir, "Q4_K_M")
+    m = load_model(path, "bfloat16", attention_backend="cpu", load_tokenizer=False, quantization="auto")
+    assert m.model.layers[0].fused_op_name() == "decoder_layer_quant"
+    tokens = list(range(11, 40))
+    fused = _prefill_logits(m, tokens, torch.bfloat16)
+    m.model.fused_layers = False
+    plain = _prefill_logits(m, tokens, torch.bfloat16)
+    assert float((fused - plain).abs().max() / plain.abs().max()) < 0.02
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9

@@ -1,0 +1,77 @@
+"""The real embedded model (SmolLM2-135M, Q4_1 layers, Q8_0 tied embedding) run as stored against the same file
+dequantized (quantization="none", the oracle), both in fp32: perplexity over tests/data text within 1%, and the
+greedy chat answers' agreement (printed; see the bound's comment)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_model_smollm2 import PROMPTS, TEXT, Greedy, _chat_ids
+
+from pagedllm.model import load_model
+from pagedllm.quantization.tensor import QuantTensor, kernel_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernel_available(), reason="no C++ kernels")]
+
+
+@pytest.fixture(scope="module")
+def models():
+    quant = load_model(None, "float32", attention_backend="reference", quantization="auto")
+    oracle = load_model(None, "float32", attention_backend="reference", quantization="none")
+    assert isinstance(quant.model.embed, QuantTensor)
+    return quant, oracle
+
+
+def _perplexity(loaded, ids: list[int]) -> float:
+    runner = Greedy(loaded, num_blocks=-(-len(ids) // 16) + 8)
+    seq = {"tokens": ids, "table": [], "done": 0}
+    nll = 0.0
+    while seq["done"] < len(ids):
+        start = seq["done"]
+        count = min(512, len(ids) - start)
+        _, hidden = runner.step([seq], [count])
+        logp = torch.log_softmax(loaded.model.compute_logits(hidden), -1)
+        targets = torch.tensor(ids[start + 1:start + count + 1])
+        nll -= logp[:len(targets)].gather(1, targets[:, None]).sum().item()
+    return math.exp(nll / (len(ids) - 1))
+
+
+def test_perplexity_within_one_percent(models):
+    quant, oracle = models
+    ids = quant.tokenizer(open(TEXT, encoding="utf-8").read())["input_ids"]
+    ppl, ref = _perplexity(quant, ids), _perplexity(oracle, ids)
+    print(f"\nperplexity over {len(ids)} tokens: as stored {ppl:.4f}, dequantized {ref:.4f} "
+          f"({100 * (ppl - ref) / ref:+.2f}%)")
+    assert abs(ppl - ref) / ref < 0.01
+
+
+def _greedy(loaded, prompt: list[int], max_tokens: int = 48) -> list[int]:
+    runner = Greedy(loaded)
+    seq = {"tokens": list(prompt), "table": [], "done": 0}
+    out, count = [], len(prompt)
+    for _ in range(max_tokens):
+        logits, _ = runner.step([seq], [count])
+        out.append(int(logits.argmax(-1)[0]))
+        seq["tokens"].append(out[-1])
+        if out[-1] in loaded.eos_token_ids:
+            break
+        count = 1
+    return out
+
+
+def test_greedy_chat_answers_mostly_unchanged(models):
+    quant, oracle = models
+    same, agree, total = 0, 0, 0
+    for p in PROMPTS:
+        ids = _chat_ids(quant.tokenizer, p)
+        a, b = _greedy(quant, ids), _greedy(oracle, ids)
+        same += a == b
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        agree, total = agree + prefix, total + len(b)
+    print(f"\ngreedy chat answers identical: {same}/{len(PROMPTS)}; tokens before the first difference: "
+          f"{agree}/{total}")
+    # Measured here: 1/4 answers identical, 52/108 tokens before the first difference (the int8 activation
+    # rounding flips near-tied greedy choices of this small model); a broken kernel agrees on almost nothing.
+    assert same >= 1 and agree >= total // 3
