@@ -86,8 +86,13 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be > 0")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
-        if any(not s for s in self.stop):
-            raise bad("stop", "must not contain empty strings")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            # rejected rather than reduced modulo 2**64: two different seeds must not silently give one stream
+            raise bad("seed", "must be an integer in [-2**63, 2**63 - 1]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must contain only non-empty strings")
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must contain only integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
