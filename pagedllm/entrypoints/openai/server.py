@@ -248,7 +248,8 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a client may pause while sending a body (then 408)")
     g.add_argument("--request-header-timeout", type=float, default=30.0,
                    help="seconds a connection gets to send a complete request head (then it is closed)")
-    g.add_argument("--max-request-header-bytes", type=int, default=64 * 1024)
+    g.add_argument("--max-request-header-bytes", type=int, default=64 * 1024,
+                   help="largest request head (request line + headers) a client may send")
     g.add_argument("--timeout-keep-alive", type=int, default=5, help="idle keep-alive connections close after this")
     g.add_argument("--limit-concurrency", type=int, default=None,
                    help="connections + requests at once before new ones get 503 (default: no limit)")
