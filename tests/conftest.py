@@ -20,22 +20,19 @@ def hf_smollm2():
                                                 dtype=torch.float32).eval()
 
 
-def _kernel_mode(invariant: bool):
-    from pagedllm import kernels
-
-    before = kernels.batch_invariant()
-    kernels.set_batch_invariant(invariant)
-    yield
-    kernels.set_batch_invariant(before)
-
-
 @pytest.fixture
 def batch_invariant_kernels():
     """The kernels' batch-invariant mode (the engine's default) for a test that calls kernels directly."""
-    yield from _kernel_mode(True)
+    from pagedllm.kernels import kernel_mode
+
+    with kernel_mode(invariant=True):
+        yield
 
 
 @pytest.fixture
 def batch_dependent_kernels():
     """The batch-dependent fast paths (small GEMM, fused layer, bf16 attention paths) for the tests of those."""
-    yield from _kernel_mode(False)
+    from pagedllm.kernels import kernel_mode
+
+    with kernel_mode(invariant=False):
+        yield

@@ -7,11 +7,14 @@ a request's tokens do not depend on what it is batched with, how its prompt was 
 from the cache. The model runner sets it per step from EngineArgs.batch_invariant.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from pagedllm.kernels.build import build_variant, kernel_op, load_ops
 from pagedllm.kernels.paged_attention import paged_attention
 
-__all__ = ["batch_invariant", "build_variant", "kernel_op", "load_ops", "paged_attention", "set_batch_invariant",
-           "small_gemm_max_rows"]
+__all__ = ["batch_invariant", "build_variant", "kernel_mode", "kernel_op", "load_ops", "paged_attention",
+           "set_batch_invariant", "small_gemm_max_rows"]
 
 _batch_invariant = True
 
@@ -23,6 +26,17 @@ def set_batch_invariant(enabled: bool) -> None:
 
 def batch_invariant() -> bool:
     return _batch_invariant
+
+
+@contextmanager
+def kernel_mode(invariant: bool) -> Iterator[None]:
+    """Batch-invariant (or batch-dependent) kernels inside the block, the previous mode after it."""
+    before = batch_invariant()
+    set_batch_invariant(invariant)
+    try:
+        yield
+    finally:
+        set_batch_invariant(before)
 
 
 def small_gemm_max_rows() -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
@@ -70,6 +71,13 @@ class CausalLM(nn.Module):
         if isinstance(self._attn_backend, str):
             self._attn_backend = get_backend(self._attn_backend)
         return self._attn_backend
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> embeddings [T, H] in the model's dtype (a table kept in GGUF blocks is gathered row by
+        row and dequantized)."""
+        if isinstance(self.embed, QuantTensor):
+            return self.embed.embedding(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

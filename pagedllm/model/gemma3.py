@@ -9,7 +9,6 @@ Written to match transformers' Gemma3ForCausalLM arithmetic.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
@@ -68,7 +67,7 @@ class Gemma3ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
-        h = F.embedding(input_ids, self.embed) * self.embed_scale
+        h = self.embed_tokens(input_ids) * self.embed_scale
         rope = {False: self.rotary(positions, self.dtype), True: self.rotary_local(positions, self.dtype)}
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h = layer(h, *rope[layer.sliding], kv, meta, self.attn_backend)

@@ -7,7 +7,6 @@ per-layer KV pools through the AttentionMetadata.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
@@ -19,7 +18,6 @@ from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding, bf16_kernel_op
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP
-from pagedllm.quantization.tensor import QuantTensor
 
 
 class DecoderLayer(nn.Module):
@@ -85,8 +83,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
-        h = (self.embed.embedding(input_ids, self.dtype) if isinstance(self.embed, QuantTensor)
-             else F.embedding(input_ids, self.embed))
+        h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, self.dtype)
         fused = self._fused_layer_op(h, kv_caches)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
