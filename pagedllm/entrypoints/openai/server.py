@@ -46,9 +46,6 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
-PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engine's state
-
-
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
