@@ -118,13 +118,18 @@ def test_kv_map_and_prefix_reset_per_replica(server, client):
     rng = random.Random(time.time_ns())
     for _ in range(4):  # full blocks on both replicas, cached once the requests finish
         client.completions.create(model="smol", prompt=ids(rng, 3 * BLOCK + 1), max_tokens=1)
-    snaps = [httpx.get(server.url + f"/kv/snapshot?replica={i}").json() for i in (0, 1)]
+    def snapshot(i: int) -> dict:
+        r = httpx.get(server.url + f"/kv/snapshot?replica={i}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    snaps = [snapshot(0), snapshot(1)]
     assert [(s["replica"], s["replicas"], s["num_blocks"]) for s in snaps] == [(0, 2, NUM_BLOCKS), (1, 2, NUM_BLOCKS)]
     assert httpx.get(server.url + "/kv/snapshot?replica=2").status_code == 400
     r = httpx.post(server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 200 and r.json() == {"reset": True}
     for i in (0, 1):
-        assert httpx.get(server.url + f"/kv/snapshot?replica={i}").json()["stats"]["num_cached_blocks"] == 0
+        assert snapshot(i)["stats"]["num_cached_blocks"] == 0
 
 
 def test_prefix_family_hits_the_cache(client):

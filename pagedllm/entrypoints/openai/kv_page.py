@@ -5,6 +5,7 @@ replicas, /kv?replica=i shows replica i."""
 from __future__ import annotations
 
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -12,8 +13,11 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
+if TYPE_CHECKING:  # Ray is an extra
+    from pagedllm.distributed.client import DataParallelEngine
 
-def add_kv_routes(app: FastAPI, engine: AsyncEngine) -> None:
+
+def add_kv_routes(app: FastAPI, engine: AsyncEngine | DataParallelEngine) -> None:
     page = resources.files("pagedllm.entrypoints.openai").joinpath("static/kv.html").read_text(encoding="utf-8")
 
     @app.get("/kv", response_class=HTMLResponse)

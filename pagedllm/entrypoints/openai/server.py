@@ -158,8 +158,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         return await chat.create(req, raw)
 
     add_extra_routes(app, tokens)
-    if isinstance(async_engine, AsyncEngine):  # the KV map shows one engine's pool
-        add_kv_routes(app, async_engine)
+    add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
 
 
