@@ -12,7 +12,8 @@ speculative decoding) is covered by adding one line there.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -24,15 +25,32 @@ from pagedllm.attention import build_attention_metadata
 @dataclass(frozen=True)
 class ExecPath:
     name: str
-    dtype: torch.dtype      # activations and weights
+    dtype: torch.dtype      # activations (and dense weights)
     kv_dtype: torch.dtype   # the KV cache
+    weights: str = "dense"  # or "q8_0": the linears run on GGUF blocks as stored (quantized GEMM kernel)
+    engine: dict[str, Any] = field(default_factory=dict)  # what else LLM(...) is given for this path
 
 
 PATHS = [
     ExecPath("fp32", torch.float32, torch.float32),
     ExecPath("bf16", torch.bfloat16, torch.bfloat16),
+    ExecPath("q8_0-weights", torch.bfloat16, torch.bfloat16, weights="q8_0", engine={"quantization": "auto"}),
+    ExecPath("spec-ngram", torch.bfloat16, torch.bfloat16,
+             engine={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
 ]
 ids = [p.name for p in PATHS]
+
+
+def _distinct(key) -> list[ExecPath]:
+    """The paths that differ in what a kernel test exercises (the others would repeat a test)."""
+    seen: dict[Any, ExecPath] = {}
+    for p in PATHS:
+        seen.setdefault(key(p), p)
+    return list(seen.values())
+
+
+LINEAR_PATHS = _distinct(lambda p: (p.dtype, p.weights))
+KERNEL_PATHS = _distinct(lambda p: (p.dtype, p.kv_dtype))  # attention and sampler
 BATCH_SIZES = [2, 3, 4, 5, 7, 16, 17, 64, 129, 300]
 
 try:
@@ -45,28 +63,40 @@ pytestmark = pytest.mark.usefixtures("batch_invariant_kernels")
 
 
 # ---- GEMM ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", PATHS, ids=ids)
-@pytest.mark.parametrize("k,n", [(576, 64), (200, 37)])  # a model width; K and N off the tile sizes
-def test_linear_row_alone_equals_row_in_batch(path, k, n):
+def _path_linear(path: ExecPath, w: torch.Tensor):
+    """This path's linear as a function of x, and the weight it multiplies by."""
     from pagedllm.model.layers import linear
+    from pagedllm.quantization.tensor import quantize_q8_0
 
+    if path.weights == "q8_0":
+        q = quantize_q8_0(w)
+        return q.matmul, q.dequantize()
     if kernels.kernel_op("gemm_invariant") is None:
         pytest.skip("no invariant GEMM in this build")
+    w = w.to(path.dtype)
+    return (lambda x: linear(x, w)), w
+
+
+@pytest.mark.parametrize("path", LINEAR_PATHS, ids=[p.name for p in LINEAR_PATHS])
+@pytest.mark.parametrize("k,n", [(576, 64), (224, 37)])  # a model width; K (a multiple of 32) and N off the tiles
+def test_linear_row_alone_equals_row_in_batch(path, k, n):
     g = torch.Generator().manual_seed(k + n)
-    w = torch.randn(n, k, generator=g).to(path.dtype)
+    w = torch.randn(n, k, generator=g)
     x = torch.randn(300, k, generator=g).to(path.dtype)
+    linear, w = _path_linear(path, w)
     rows = [0, 1, 150, 299]
-    alone = {r: linear(x[r:r + 1], w) for r in rows}
+    alone = {r: linear(x[r:r + 1]) for r in rows}
     ref = torch.nn.functional.linear(x.double(), w.double())
-    tol = 1e-4 if path.dtype == torch.float32 else 2e-2
+    # bf16 rounding of x and the output; the quantized GEMM also rounds x to int8 per block of 32
+    tol = 1e-4 if path.dtype == torch.float32 else 2e-2 if path.weights == "dense" else 5e-2
     torch.testing.assert_close(torch.cat([alone[r] for r in rows]).double(), ref[rows], rtol=tol, atol=tol * k ** 0.5)
     for m in BATCH_SIZES:
         start = random.Random(m).randrange(0, 300 - m + 1)
-        out = linear(x[start:start + m], w)
+        out = linear(x[start:start + m])
         for r in rows:
             if start <= r < start + m:
                 assert torch.equal(out[r - start], alone[r][0]), (m, r)
-        assert torch.equal(out[0], linear(x[start:start + 1], w)[0]), m
+        assert torch.equal(out[0], linear(x[start:start + 1])[0]), m
 
 
 # ---- attention -------------------------------------------------------------------------------------------------
@@ -93,7 +123,7 @@ def _attend(q_rows, tables, lens, new, k_cache, v_cache):
     return list(out.split(new))
 
 
-@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_row_alone_equals_row_in_batch(path, threads):
     """One request (decode, a prefill of 40 tokens, a long context split into slices) alone and among 1..299
@@ -116,7 +146,7 @@ def test_attention_row_alone_equals_row_in_batch(path, threads):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 @pytest.mark.parametrize("prompt_len", [5, 40, 700])
 def test_attention_row_same_for_any_prompt_split(path, prompt_len):
     """A prompt's rows computed in one cold prefill, as the tail after a prefix-cache hit of any length, in
@@ -136,7 +166,7 @@ def test_attention_row_same_for_any_prompt_split(path, prompt_len):
 
 
 # ---- sampler ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 def test_sampler_row_alone_equals_row_in_batch(path):
     from pagedllm.sampling_params import SamplingParams
     from pagedllm.worker.sampler import Sampler, SamplingRow
@@ -203,7 +233,8 @@ def _tokens(outs):
 
 @pytest.fixture(scope="module", params=PATHS, ids=ids)
 def alone(request):
-    """(path, the requests, each one's outputs when run alone on a fresh engine without a prefix cache)."""
+    """(the path's LLM arguments, the requests, each one's outputs run alone on a fresh engine without a prefix
+    cache)."""
     from pagedllm import LLM
 
     path = request.param
@@ -211,10 +242,10 @@ def alone(request):
     reqs = _requests(seed=len(path.name))
     outs = []
     for prompt, params in reqs:
-        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64)
+        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **path.engine)
         outs.append(_tokens(llm.generate([prompt], params, use_tqdm=False))[0])
         del llm
-    return dtype, reqs, outs
+    return {"dtype": dtype, **path.engine}, reqs, outs
 
 
 @pytest.mark.parametrize("budget", [16, 64, 2048])
@@ -223,8 +254,8 @@ def test_engine_batched_equals_alone(alone, budget):
     request's tokens are those it gets alone."""
     from pagedllm import LLM
 
-    dtype, reqs, expected = alone
-    llm = LLM(dtype=dtype, max_num_batched_tokens=budget, num_kv_blocks=256)
+    engine, reqs, expected = alone
+    llm = LLM(max_num_batched_tokens=budget, num_kv_blocks=256, **engine)
     prompts, params = [p for p, _ in reqs], [s for _, s in reqs]
     cold = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert cold == expected
@@ -237,8 +268,8 @@ def test_engine_preempted_equals_alone(alone):
     """A KV budget too small for the batch: requests are preempted and recomputed, tokens unchanged."""
     from pagedllm import LLM
 
-    dtype, reqs, expected = alone
-    llm = LLM(dtype=dtype, num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False)
+    engine, reqs, expected = alone
+    llm = LLM(num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False, **engine)
     got = _tokens(llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False))
     assert llm.kv_cache_stats()["num_preemptions"] > 0
     assert got == expected
