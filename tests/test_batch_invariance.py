@@ -27,18 +27,19 @@ class ExecPath:
     name: str
     dtype: torch.dtype      # activations (and dense weights)
     kv_dtype: torch.dtype   # the KV cache
-    weights: str = "dense"  # or "q8_0": the linears run on GGUF blocks as stored (quantized GEMM kernel)
+    weights: str = "dense"  # or a GGUF block type the linears run as stored (the quantized GEMM kernel)
     engine: dict[str, Any] = field(default_factory=dict)  # what else LLM(...) is given for this path
 
 
 PATHS = [
     ExecPath("fp32", torch.float32, torch.float32),
     ExecPath("bf16", torch.bfloat16, torch.bfloat16),
-    ExecPath("q8_0-weights", torch.bfloat16, torch.bfloat16, weights="q8_0", engine={"quantization": "auto"}),
+    # the embedded model stores Q4_1; 1B-class GGUFs mostly Q4_K (its blocks are read by another kernel loop)
+    ExecPath("q4_1-weights", torch.bfloat16, torch.bfloat16, weights="Q4_1", engine={"quantization": "auto"}),
+    ExecPath("q4_k-weights", torch.bfloat16, torch.bfloat16, weights="Q4_K", engine={"quantization": "auto"}),
     ExecPath("spec-ngram", torch.bfloat16, torch.bfloat16,
              engine={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
 ]
-ids = [p.name for p in PATHS]
 
 
 def _distinct(key) -> list[ExecPath]:
@@ -51,6 +52,7 @@ def _distinct(key) -> list[ExecPath]:
 
 LINEAR_PATHS = _distinct(lambda p: (p.dtype, p.weights))
 KERNEL_PATHS = _distinct(lambda p: (p.dtype, p.kv_dtype))  # attention and sampler
+ENGINE_PATHS = _distinct(lambda p: (p.dtype, repr(sorted(p.engine.items()))))  # what LLM(...) is given
 BATCH_SIZES = [2, 3, 4, 5, 7, 16, 17, 64, 129, 300]
 
 try:
@@ -63,27 +65,30 @@ pytestmark = pytest.mark.usefixtures("batch_invariant_kernels")
 
 
 # ---- GEMM ------------------------------------------------------------------------------------------------------
-def _path_linear(path: ExecPath, w: torch.Tensor):
-    """This path's linear as a function of x, and the weight it multiplies by."""
-    from pagedllm.model.layers import linear
-    from pagedllm.quantization.tensor import quantize_q8_0
+def _path_linear(path: ExecPath, n: int, k: int, gen: torch.Generator):
+    """This path's linear (random weights [n, k]) as a function of x, and the weight it multiplies by."""
+    import numpy as np
 
-    if path.weights == "q8_0":
-        q = quantize_q8_0(w)
+    from pagedllm.model.layers import linear
+    from pagedllm.quantization.gguf_writer import quantized
+    from pagedllm.quantization.tensor import TYPE_IDS, QuantTensor
+
+    if path.weights != "dense":
+        raw = quantized(np.random.default_rng(k + n), n, k, path.weights, 0.05)
+        q = QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), TYPE_IDS[path.weights], k)
         return q.matmul, q.dequantize()
     if kernels.kernel_op("gemm_invariant") is None:
         pytest.skip("no invariant GEMM in this build")
-    w = w.to(path.dtype)
+    w = torch.randn(n, k, generator=gen).to(path.dtype)
     return (lambda x: linear(x, w)), w
 
 
 @pytest.mark.parametrize("path", LINEAR_PATHS, ids=[p.name for p in LINEAR_PATHS])
-@pytest.mark.parametrize("k,n", [(576, 64), (224, 37)])  # a model width; K (a multiple of 32) and N off the tiles
+@pytest.mark.parametrize("k,n", [(768, 64), (256, 37)])  # K: whole 256-element K-quant blocks; N off the tiles
 def test_linear_row_alone_equals_row_in_batch(path, k, n):
     g = torch.Generator().manual_seed(k + n)
-    w = torch.randn(n, k, generator=g)
     x = torch.randn(300, k, generator=g).to(path.dtype)
-    linear, w = _path_linear(path, w)
+    linear, w = _path_linear(path, n, k, g)
     rows = [0, 1, 150, 299]
     alone = {r: linear(x[r:r + 1]) for r in rows}
     ref = torch.nn.functional.linear(x.double(), w.double())
@@ -231,7 +236,7 @@ def _tokens(outs):
     return [[(c.token_ids, c.text) for c in o.outputs] for o in outs]
 
 
-@pytest.fixture(scope="module", params=PATHS, ids=ids)
+@pytest.fixture(scope="module", params=ENGINE_PATHS, ids=[p.name for p in ENGINE_PATHS])
 def alone(request):
     """(the path's LLM arguments, the requests, each one's outputs run alone on a fresh engine without a prefix
     cache)."""
