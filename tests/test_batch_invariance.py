@@ -69,8 +69,8 @@ def _path_linear(path: ExecPath, n: int, k: int, gen: torch.Generator):
     """This path's linear (random weights [n, k]) as a function of x, and the weight it multiplies by."""
     import numpy as np
 
+    from pagedllm.benchmarks.gguf_writer import quantized
     from pagedllm.model.layers import linear
-    from pagedllm.quantization.gguf_writer import quantized
     from pagedllm.quantization.tensor import TYPE_IDS, QuantTensor
 
     if path.weights != "dense":
