@@ -27,6 +27,10 @@ inline __m512 exp2_ps(__m512 x) {  // 2^x, rel. error ~1e-7; x <= -126 gives ~0 
 
 using pagedllm::load_bf16;
 
+inline __m512 load_int8(const int8_t* src) {  // 16 int8 values as fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+
 
 // Row pointers (fp32) of the next chunk of keys; bf16 rows are widened into kb/vb. Missing keys (past k1) point
 // at the first row so that fixed 16-wide loops stay in bounds (their scores are masked).
@@ -35,8 +39,18 @@ inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, 
                        const float** kr, const float** vr) {
   constexpr int D = ND * 16;
   for (int64_t j = 0; j < nk; ++j, cur.next()) {
-    const int64_t off = cur.slot() * p.kv_tok_stride + h * D;
-    if (p.kv_bf16) {
+    const int64_t off = cur.slot() * p.kv_tok_stride + h * p.kv_head_stride;
+    if (p.kv_int8) {
+      const int8_t* ks = static_cast<const int8_t*>(p.kc) + off;
+      const int8_t* vs = static_cast<const int8_t*>(p.vc) + off;
+      const __m512 sk = _mm512_set1_ps(int8_row_scale(ks, D)), sv = _mm512_set1_ps(int8_row_scale(vs, D));
+      for (int c = 0; c < ND; ++c) {
+        _mm512_store_ps(kb + j * D + c * 16, _mm512_mul_ps(load_int8(ks + c * 16), sk));
+        _mm512_store_ps(vb + j * D + c * 16, _mm512_mul_ps(load_int8(vs + c * 16), sv));
+      }
+      kr[j] = kb + j * D;
+      vr[j] = vb + j * D;
+    } else if (p.kv_bf16) {
       const uint16_t* ks = static_cast<const uint16_t*>(p.kc) + off;
       const uint16_t* vs = static_cast<const uint16_t*>(p.vc) + off;
       for (int c = 0; c < ND; ++c) {
@@ -75,13 +89,14 @@ struct Prefetcher {
   template <int ND>
   inline void run(const Problem& p, int64_t h, int64_t c, int64_t k1) {
     constexpr int D = ND * 16;
-    const int64_t esz = p.kv_bf16 ? 2 : 4;
+    const int64_t esz = p.kv_int8 ? 1 : p.kv_bf16 ? 2 : 4;
+    const int64_t row_bytes = p.kv_head_stride * esz;
     const int64_t target = std::min<int64_t>(k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk);
     const char* kbase = static_cast<const char*>(p.kc);
     const char* vbase = static_cast<const char*>(p.vc);
     for (; next < target; ++next, cur.next()) {
-      const int64_t off = (cur.slot() * p.kv_tok_stride + h * D) * esz;
-      for (int64_t b = 0; b < D * esz; b += 64) {
+      const int64_t off = (cur.slot() * p.kv_tok_stride + h * p.kv_head_stride) * esz;
+      for (int64_t b = 0; b < row_bytes; b += 64) {
         _mm_prefetch(kbase + off + b, _MM_HINT_T0);
         _mm_prefetch(vbase + off + b, _MM_HINT_T0);
       }
