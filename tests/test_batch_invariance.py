@@ -19,6 +19,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import build_attention_metadata
+from pagedllm.attention.kv_quant import random_pool
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,15 @@ class ExecPath:
     dtype: torch.dtype      # activations and weights
     kv_dtype: torch.dtype   # the KV cache
 
+    def llm_kwargs(self) -> dict:
+        return {"dtype": "float32" if self.dtype == torch.float32 else "bfloat16",
+                "kv_cache_dtype": "int8" if self.kv_dtype == torch.int8 else "auto"}
+
 
 PATHS = [
     ExecPath("fp32", torch.float32, torch.float32),
     ExecPath("bf16", torch.bfloat16, torch.bfloat16),
+    ExecPath("bf16-int8kv", torch.bfloat16, torch.int8),
 ]
 ids = [p.name for p in PATHS]
 BATCH_SIZES = [2, 3, 4, 5, 7, 16, 17, 64, 129, 300]
@@ -81,8 +87,8 @@ def _pool(gen, lens: list[int], kv_dtype):
     for nb in need:
         tables.append(perm[at:at + nb])
         at += nb
-    k_cache = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(kv_dtype)
+    k_cache = random_pool((num_blocks, BS, HKV, D), kv_dtype, gen)
+    v_cache = random_pool((num_blocks, BS, HKV, D), kv_dtype, gen)
     return tables, k_cache, v_cache
 
 
@@ -207,14 +213,14 @@ def alone(request):
     from pagedllm import LLM
 
     path = request.param
-    dtype = "float32" if path.dtype == torch.float32 else "bfloat16"
-    reqs = _requests(seed=len(path.name))
+    kwargs = path.llm_kwargs()
+    reqs = _requests(seed=4)  # the same requests on every path (12 KV blocks preempt them on each)
     outs = []
     for prompt, params in reqs:
-        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64)
+        llm = LLM(**kwargs, enable_prefix_caching=False, num_kv_blocks=64)
         outs.append(_tokens(llm.generate([prompt], params, use_tqdm=False))[0])
         del llm
-    return dtype, reqs, outs
+    return kwargs, reqs, outs
 
 
 @pytest.mark.parametrize("budget", [16, 64, 2048])
@@ -223,8 +229,8 @@ def test_engine_batched_equals_alone(alone, budget):
     request's tokens are those it gets alone."""
     from pagedllm import LLM
 
-    dtype, reqs, expected = alone
-    llm = LLM(dtype=dtype, max_num_batched_tokens=budget, num_kv_blocks=256)
+    kwargs, reqs, expected = alone
+    llm = LLM(**kwargs, max_num_batched_tokens=budget, num_kv_blocks=256)
     prompts, params = [p for p, _ in reqs], [s for _, s in reqs]
     cold = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert cold == expected
@@ -237,8 +243,8 @@ def test_engine_preempted_equals_alone(alone):
     """A KV budget too small for the batch: requests are preempted and recomputed, tokens unchanged."""
     from pagedllm import LLM
 
-    dtype, reqs, expected = alone
-    llm = LLM(dtype=dtype, num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False)
+    kwargs, reqs, expected = alone
+    llm = LLM(**kwargs, num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False)
     got = _tokens(llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False))
     assert llm.kv_cache_stats()["num_preemptions"] > 0
     assert got == expected

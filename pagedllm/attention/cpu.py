@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention import register_backend
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.kv_quant import is_int8
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import copy_blocks, write_kv
 from pagedllm.kernels import load_ops, paged_attention, write_kv_int8
 
