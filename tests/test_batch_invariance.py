@@ -12,7 +12,8 @@ speculative decoding) is covered by adding one line there.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -25,20 +26,35 @@ from pagedllm.attention.kv_quant import random_pool
 @dataclass(frozen=True)
 class ExecPath:
     name: str
-    dtype: torch.dtype      # activations and weights
+    dtype: torch.dtype      # activations (and dense weights)
     kv_dtype: torch.dtype   # the KV cache
-
-    def llm_kwargs(self) -> dict:
-        return {"dtype": "float32" if self.dtype == torch.float32 else "bfloat16",
-                "kv_cache_dtype": "int8" if self.kv_dtype == torch.int8 else "auto"}
+    weights: str = "dense"  # or a GGUF block type the linears run as stored (the quantized GEMM kernel)
+    engine: dict[str, Any] = field(default_factory=dict)  # what else LLM(...) is given for this path
 
 
 PATHS = [
     ExecPath("fp32", torch.float32, torch.float32),
     ExecPath("bf16", torch.bfloat16, torch.bfloat16),
-    ExecPath("bf16-int8kv", torch.bfloat16, torch.int8),
+    ExecPath("bf16-int8kv", torch.bfloat16, torch.int8, engine={"kv_cache_dtype": "int8"}),
+    # the embedded model stores Q4_1; 1B-class GGUFs mostly Q4_K (its blocks are read by another kernel loop)
+    ExecPath("q4_1-weights", torch.bfloat16, torch.bfloat16, weights="Q4_1", engine={"quantization": "auto"}),
+    ExecPath("q4_k-weights", torch.bfloat16, torch.bfloat16, weights="Q4_K", engine={"quantization": "auto"}),
+    ExecPath("spec-ngram", torch.bfloat16, torch.bfloat16,
+             engine={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
 ]
-ids = [p.name for p in PATHS]
+
+
+def _distinct(key) -> list[ExecPath]:
+    """The paths that differ in what a kernel test exercises (the others would repeat a test)."""
+    seen: dict[Any, ExecPath] = {}
+    for p in PATHS:
+        seen.setdefault(key(p), p)
+    return list(seen.values())
+
+
+LINEAR_PATHS = _distinct(lambda p: (p.dtype, p.weights))
+KERNEL_PATHS = _distinct(lambda p: (p.dtype, p.kv_dtype))  # attention and sampler
+ENGINE_PATHS = _distinct(lambda p: (p.dtype, repr(sorted(p.engine.items()))))  # what LLM(...) is given
 BATCH_SIZES = [2, 3, 4, 5, 7, 16, 17, 64, 129, 300]
 
 try:
@@ -51,28 +67,43 @@ pytestmark = pytest.mark.usefixtures("batch_invariant_kernels")
 
 
 # ---- GEMM ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", PATHS, ids=ids)
-@pytest.mark.parametrize("k,n", [(576, 64), (200, 37)])  # a model width; K and N off the tile sizes
-def test_linear_row_alone_equals_row_in_batch(path, k, n):
-    from pagedllm.model.layers import linear
+def _path_linear(path: ExecPath, n: int, k: int, gen: torch.Generator):
+    """This path's linear (random weights [n, k]) as a function of x, and the weight it multiplies by."""
+    import numpy as np
 
+    from pagedllm.benchmarks.gguf_writer import quantized
+    from pagedllm.model.layers import linear
+    from pagedllm.quantization.tensor import TYPE_IDS, QuantTensor
+
+    if path.weights != "dense":
+        raw = quantized(np.random.default_rng(k + n), n, k, path.weights, 0.05)
+        q = QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), TYPE_IDS[path.weights], k)
+        return q.matmul, q.dequantize()
     if kernels.kernel_op("gemm_invariant") is None:
         pytest.skip("no invariant GEMM in this build")
+    w = torch.randn(n, k, generator=gen).to(path.dtype)
+    return (lambda x: linear(x, w)), w
+
+
+@pytest.mark.parametrize("path", LINEAR_PATHS, ids=[p.name for p in LINEAR_PATHS])
+@pytest.mark.parametrize("k,n", [(768, 64), (256, 37)])  # K: whole 256-element K-quant blocks; N off the tiles
+def test_linear_row_alone_equals_row_in_batch(path, k, n):
     g = torch.Generator().manual_seed(k + n)
-    w = torch.randn(n, k, generator=g).to(path.dtype)
     x = torch.randn(300, k, generator=g).to(path.dtype)
+    linear, w = _path_linear(path, n, k, g)
     rows = [0, 1, 150, 299]
-    alone = {r: linear(x[r:r + 1], w) for r in rows}
+    alone = {r: linear(x[r:r + 1]) for r in rows}
     ref = torch.nn.functional.linear(x.double(), w.double())
-    tol = 1e-4 if path.dtype == torch.float32 else 2e-2
+    # bf16 rounding of x and the output; the quantized GEMM also rounds x to int8 per block of 32
+    tol = 1e-4 if path.dtype == torch.float32 else 2e-2 if path.weights == "dense" else 5e-2
     torch.testing.assert_close(torch.cat([alone[r] for r in rows]).double(), ref[rows], rtol=tol, atol=tol * k ** 0.5)
     for m in BATCH_SIZES:
         start = random.Random(m).randrange(0, 300 - m + 1)
-        out = linear(x[start:start + m], w)
+        out = linear(x[start:start + m])
         for r in rows:
             if start <= r < start + m:
                 assert torch.equal(out[r - start], alone[r][0]), (m, r)
-        assert torch.equal(out[0], linear(x[start:start + 1], w)[0]), m
+        assert torch.equal(out[0], linear(x[start:start + 1])[0]), m
 
 
 # ---- attention -------------------------------------------------------------------------------------------------
@@ -99,7 +130,7 @@ def _attend(q_rows, tables, lens, new, k_cache, v_cache):
     return list(out.split(new))
 
 
-@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_row_alone_equals_row_in_batch(path, threads):
     """One request (decode, a prefill of 40 tokens, a long context split into slices) alone and among 1..299
@@ -122,7 +153,7 @@ def test_attention_row_alone_equals_row_in_batch(path, threads):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 @pytest.mark.parametrize("prompt_len", [5, 40, 700])
 def test_attention_row_same_for_any_prompt_split(path, prompt_len):
     """A prompt's rows computed in one cold prefill, as the tail after a prefix-cache hit of any length, in
@@ -142,7 +173,7 @@ def test_attention_row_same_for_any_prompt_split(path, prompt_len):
 
 
 # ---- sampler ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", PATHS, ids=ids)
+@pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 def test_sampler_row_alone_equals_row_in_batch(path):
     from pagedllm.sampling_params import SamplingParams
     from pagedllm.worker.sampler import Sampler, SamplingRow
@@ -207,20 +238,21 @@ def _tokens(outs):
     return [[(c.token_ids, c.text) for c in o.outputs] for o in outs]
 
 
-@pytest.fixture(scope="module", params=PATHS, ids=ids)
+@pytest.fixture(scope="module", params=ENGINE_PATHS, ids=[p.name for p in ENGINE_PATHS])
 def alone(request):
-    """(path, the requests, each one's outputs when run alone on a fresh engine without a prefix cache)."""
+    """(the path's LLM arguments, the requests, each one's outputs run alone on a fresh engine without a prefix
+    cache)."""
     from pagedllm import LLM
 
     path = request.param
-    kwargs = path.llm_kwargs()
+    dtype = "float32" if path.dtype == torch.float32 else "bfloat16"
     reqs = _requests(seed=4)  # the same requests on every path (12 KV blocks preempt them on each)
     outs = []
     for prompt, params in reqs:
-        llm = LLM(**kwargs, enable_prefix_caching=False, num_kv_blocks=64)
+        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **path.engine)
         outs.append(_tokens(llm.generate([prompt], params, use_tqdm=False))[0])
         del llm
-    return kwargs, reqs, outs
+    return {"dtype": dtype, **path.engine}, reqs, outs
 
 
 @pytest.mark.parametrize("budget", [16, 64, 2048])
@@ -229,8 +261,8 @@ def test_engine_batched_equals_alone(alone, budget):
     request's tokens are those it gets alone."""
     from pagedllm import LLM
 
-    kwargs, reqs, expected = alone
-    llm = LLM(**kwargs, max_num_batched_tokens=budget, num_kv_blocks=256)
+    engine, reqs, expected = alone
+    llm = LLM(max_num_batched_tokens=budget, num_kv_blocks=256, **engine)
     prompts, params = [p for p, _ in reqs], [s for _, s in reqs]
     cold = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert cold == expected
@@ -243,8 +275,8 @@ def test_engine_preempted_equals_alone(alone):
     """A KV budget too small for the batch: requests are preempted and recomputed, tokens unchanged."""
     from pagedllm import LLM
 
-    kwargs, reqs, expected = alone
-    llm = LLM(**kwargs, num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False)
+    engine, reqs, expected = alone
+    llm = LLM(num_kv_blocks=12, max_num_batched_tokens=64, enable_prefix_caching=False, **engine)
     got = _tokens(llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False))
     assert llm.kv_cache_stats()["num_preemptions"] > 0
     assert got == expected

@@ -167,7 +167,7 @@ def test_gguf_matches_transformers(tmp_path, arch, types):
 
 def test_dequant_matches_gguf_package():
     """Our torch Q4_0/Q4_1/Q8_0 kernels vs the gguf package on random data, bit for bit."""
-    from pagedllm.model.dequant import dequantize
+    from pagedllm.quantization.dequant import dequantize
 
     x = np.random.default_rng(2).standard_normal((64, 128)).astype(np.float32)
     for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0):

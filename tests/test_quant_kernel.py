@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.quantization.gguf_writer import quantized
+from pagedllm.benchmarks.gguf_writer import quantized
 from pagedllm.quantization.tensor import KERNEL_TYPES, TYPE_IDS, QuantTensor, kernel_available
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels could not be built")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pagedllm.attention import build_attention_metadata
+from pagedllm.benchmarks.gguf_writer import FILE_TYPES, tiny_shape, write_random_gguf
 from pagedllm.model import allocate_kv_caches, load_model
 from pagedllm.model.linear import Linear
-from pagedllm.quantization.gguf_writer import FILE_TYPES, tiny_shape, write_random_gguf
-from pagedllm.quantization.linear_method import QuantizedLinearMethod, weight_bytes
+from pagedllm.model.quantized_linear import QuantizedLinearMethod, weight_bytes
 from pagedllm.quantization.tensor import QuantTensor, kernel_available
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels could not be built")

@@ -113,6 +113,25 @@ def test_both_replicas_serve_and_report(server, client, engine):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_kv_map_and_prefix_reset_per_replica(server, client):
+    """/kv/snapshot?replica=i shows replica i's pool; POST /reset_prefix_cache empties every replica's cache."""
+    rng = random.Random(time.time_ns())
+    for _ in range(4):  # full blocks on both replicas, cached once the requests finish
+        client.completions.create(model="smol", prompt=ids(rng, 3 * BLOCK + 1), max_tokens=1)
+    def snapshot(i: int) -> dict:
+        r = httpx.get(server.url + f"/kv/snapshot?replica={i}")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    snaps = [snapshot(0), snapshot(1)]
+    assert [(s["replica"], s["replicas"], s["num_blocks"]) for s in snaps] == [(0, 2, NUM_BLOCKS), (1, 2, NUM_BLOCKS)]
+    assert httpx.get(server.url + "/kv/snapshot?replica=2").status_code == 400
+    r = httpx.post(server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    for i in (0, 1):
+        assert snapshot(i)["stats"]["num_cached_blocks"] == 0
+
+
 def test_prefix_family_hits_the_cache(client):
     rng = random.Random(time.time_ns())
     shared = ids(rng, 6 * BLOCK + 5)  # 6 full blocks shared by the family

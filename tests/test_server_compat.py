@@ -221,6 +221,8 @@ def test_reset_prefix_cache_behind_the_key(server, client):
     assert r.status_code == 200 and r.json() == {"reset": True}
     stats = httpx.get(server.url + "/kv/snapshot").json()["stats"]
     assert stats["num_cached_blocks"] == 0
+    r = httpx.get(server.url + "/kv/snapshot?replica=1")  # one engine: replica 0 only
+    assert r.status_code == 400 and r.json()["error"]["param"] == "replica"
 
 
 def test_cors_preflight(server):

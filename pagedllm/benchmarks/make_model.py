@@ -1,5 +1,5 @@
 """Write a random-weight GGUF of a real model shape: `pagedllm bench make-model --shape tinyllama-1.1b --type Q4_0
-OUT.gguf` (the embedded SmolLM2 tokenizer; shapes and types in pagedllm.quantization.gguf_writer)."""
+OUT.gguf` (the embedded SmolLM2 tokenizer; shapes and types in pagedllm.benchmarks.gguf_writer)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import os
 import time
 
-from pagedllm.quantization.gguf_writer import FILE_TYPES, SHAPES, write_random_gguf
+from pagedllm.benchmarks.gguf_writer import FILE_TYPES, SHAPES, write_random_gguf
 
 
 def cached_model(shape: str, file_type: str) -> str:

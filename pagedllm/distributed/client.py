@@ -270,6 +270,32 @@ class DataParallelEngine:
             raise ReplicaDiedError(f"engine replica {r.index} died while serving this request "
                                    f"({type(e).__name__})") from None
 
+    async def kv_snapshot(self, replica: int = 0) -> dict[str, Any]:
+        """One replica's block-pool picture for GET /kv?replica=i, marked with its index and the replica count."""
+        if not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica must be in [0, {len(self.replicas)}), got {replica}")
+        r = self.replicas[replica]
+        if not r.healthy:
+            raise ReplicaDiedError(f"engine replica {replica} is down (restarting)")
+        try:
+            snap = await r.actor.kv_snapshot.remote()
+        except RayError as e:
+            r.mark_down(e)
+            raise ReplicaDiedError(f"engine replica {replica} died ({type(e).__name__})") from None
+        return {**snap, "replica": replica, "replicas": len(self.replicas)}
+
+    async def reset_prefix_cache(self) -> bool:
+        """Every healthy replica forgets its cached prefixes; False if one of them holds blocks of a request (the
+        others are reset anyway: a reset loses no request). The router's prefix table is dropped with them."""
+        healthy = [r for r in self.replicas if r.healthy]
+        done = await asyncio.gather(*(r.actor.reset_prefix_cache.remote() for r in healthy), return_exceptions=True)
+        for r, result in zip(healthy, done, strict=True):
+            if isinstance(result, RayError):
+                r.mark_down(result)
+            if result is True:
+                self.policy.replica_reset(r.index)
+        return all(result is True for result in done)
+
     async def replica_kv_stats(self) -> list[dict | None]:
         """Each healthy replica's kv_cache_stats (None for the others)."""
         async def one(r: _Replica) -> dict | None:

@@ -69,5 +69,11 @@ class EngineReplica:
     async def kv_cache_stats(self) -> dict[str, Any]:
         return await self.engine.kv_cache_stats()
 
+    async def kv_snapshot(self) -> dict[str, Any]:
+        return await self.engine.kv_snapshot()
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()

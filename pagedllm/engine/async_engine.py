@@ -235,6 +235,18 @@ class AsyncEngine:
     async def kv_cache_stats(self) -> dict:
         return await self.call(lambda e: e.kv_cache_stats())
 
+    async def kv_snapshot(self, replica: int = 0) -> dict:
+        """The block pool's picture for GET /kv (engine/kv_snapshot.py); one engine: replica 0 only."""
+        from pagedllm.engine.kv_snapshot import kv_snapshot
+
+        if replica != 0:
+            raise ValueError(f"replica must be 0 (this server runs one engine), got {replica}")
+        return await self.call(kv_snapshot)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while requests hold blocks."""
+        return await self.call(lambda e: e.kv.reset_prefix_cache())
+
     def cached_stats(self) -> dict:
         """The newest stats snapshot taken by the loop (no waiting; may be up to stats_interval old)."""
         return dict(self._stats)

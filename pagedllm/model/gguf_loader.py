@@ -150,7 +150,7 @@ def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
     if name in ("F32", "F16", "BF16"):
         dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
         return torch.frombuffer(bytearray(raw), dtype=dt).view(t.shape)
-    from pagedllm.model import dequant
+    from pagedllm.quantization import dequant
 
     return dequant.dequantize(raw, name, t.shape)
 

@@ -125,7 +125,7 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention
 
 def _quantized_method(quantize_floats: bool):
     """The quantized LinearMethod, or None (dense weights) where the kernel cannot be built here."""
-    from pagedllm.quantization.linear_method import QuantizedLinearMethod
+    from pagedllm.model.quantized_linear import QuantizedLinearMethod
     from pagedllm.quantization.tensor import kernel_available
 
     if kernel_available():

@@ -1,1 +1,2 @@
-"""Quantized weights: GGUF block formats run as stored (mmap'd, C++ VNNI kernels), int8 for HF checkpoints."""
+"""Quantized weights as data: GGUF block formats kept as stored (QuantTensor over the mmap'd file, run by the C++
+VNNI kernel), their dequantizer, int8 blocks for HF checkpoints. The model side is model/quantized_linear.py."""

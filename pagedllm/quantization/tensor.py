@@ -76,7 +76,7 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the oracle's weights."""
-        from pagedllm.model import dequant
+        from pagedllm.quantization import dequant
 
         return dequant.dequantize(self.data.numpy().reshape(-1), self.type_name, self.shape)
 

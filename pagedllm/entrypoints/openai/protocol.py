@@ -186,32 +186,34 @@ class CompletionLogprobs(BaseModel):
 PromptLogprobs = list[dict[str, dict[str, Any]] | None]  # vLLM's: per prompt token {token id: {logprob, ...}}
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice of a response or a stream chunk carries besides its text or message."""
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM)
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """The head of every completion response and stream chunk."""
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     system_fingerprint: str | None = SYSTEM_FINGERPRINT
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = SYSTEM_FINGERPRINT
-    choices: list[CompletionChoice]
+class CompletionStreamResponse(CompletionResponse):
     usage: UsageInfo | None = None
 
 
@@ -313,20 +315,13 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int
+class ChatCompletionChoice(_Choice):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
@@ -338,19 +333,12 @@ class DeltaMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool call deltas: {"index", "id", "type", "function"}
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None

@@ -46,9 +46,6 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
-PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engine's state
-
-
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
@@ -161,8 +158,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         return await chat.create(req, raw)
 
     add_extra_routes(app, tokens)
-    if isinstance(async_engine, AsyncEngine):  # the KV map shows one engine's pool
-        add_kv_routes(app, async_engine)
+    add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
 
 

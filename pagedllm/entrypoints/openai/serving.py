@@ -53,8 +53,8 @@ def engine_error(err: BaseException) -> OpenAIError:
     """An error raised while a request was running, as the OpenAI error to report."""
     if isinstance(err, OpenAIError):
         return err
-    if isinstance(err, EngineDeadError):
-        return OpenAIError(503, "The engine is not running.", code="engine_unavailable")
+    if isinstance(err, EngineDeadError):  # our own short texts ("engine replica 0 died ..."); causes stay in the log
+        return OpenAIError(503, f"The engine is not available: {err}.", code="engine_unavailable")
     # the details are internal (exception text, tracebacks): they go to the log, the client gets a reference
     return internal_error(err, "the engine failed while processing this request"
                           if isinstance(err, RequestFailedError) else "internal error")

@@ -106,10 +106,7 @@ def add_extra_routes(app: FastAPI, tokens: OpenAIServingTokens) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:
         """Forget every cached prefix block; refused (409) while requests hold blocks."""
-        if not hasattr(engine, "call"):
-            raise OpenAIError(501, "reset_prefix_cache is not available with data-parallel replicas",
-                              code="not_implemented")
-        if not await engine.call(lambda e: e.kv.reset_prefix_cache()):
+        if not await engine.reset_prefix_cache():
             raise OpenAIError(409, "cannot reset the prefix cache while requests hold KV blocks",
                               code="engine_busy")
         return {"reset": True}
