@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "attention.h"
 
@@ -34,19 +35,33 @@ inline __m512 load_int8(const int8_t* src) {  // 16 int8 values as fp32
 
 // Row pointers (fp32) of the next chunk of keys; bf16 rows are widened into kb/vb. Missing keys (past k1) point
 // at the first row so that fixed 16-wide loops stay in bounds (their scores are masked).
+// int8 rows are widened into kb/vb too: scaled here when kscale/vscale are null (the lanes path), else unscaled,
+// with the 16 rows' scales stored into kscale/vscale (0 for missing keys) for the caller to apply to the scores
+// and probabilities (the dot path: one multiply per key instead of one per element).
 template <int ND>
 inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, bool pack, float* kb, float* vb,
-                       const float** kr, const float** vr) {
+                       const float** kr, const float** vr, float* kscale = nullptr, float* vscale = nullptr) {
   constexpr int D = ND * 16;
+  alignas(32) uint16_t ksh[kChunk] = {}, vsh[kChunk] = {};  // the rows' float16 scales
   for (int64_t j = 0; j < nk; ++j, cur.next()) {
     const int64_t off = cur.slot() * p.kv_tok_stride + h * p.kv_head_stride;
     if (p.kv_int8) {
       const int8_t* ks = static_cast<const int8_t*>(p.kc) + off;
       const int8_t* vs = static_cast<const int8_t*>(p.vc) + off;
-      const __m512 sk = _mm512_set1_ps(int8_row_scale(ks, D)), sv = _mm512_set1_ps(int8_row_scale(vs, D));
-      for (int c = 0; c < ND; ++c) {
-        _mm512_store_ps(kb + j * D + c * 16, _mm512_mul_ps(load_int8(ks + c * 16), sk));
-        _mm512_store_ps(vb + j * D + c * 16, _mm512_mul_ps(load_int8(vs + c * 16), sv));
+      std::memcpy(&ksh[j], ks + D, sizeof(uint16_t));
+      std::memcpy(&vsh[j], vs + D, sizeof(uint16_t));
+      if (kscale != nullptr) {
+        for (int c = 0; c < ND; ++c) {
+          _mm512_store_ps(kb + j * D + c * 16, load_int8(ks + c * 16));
+          _mm512_store_ps(vb + j * D + c * 16, load_int8(vs + c * 16));
+        }
+      } else {
+        const __m512 sk = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(ksh[j])));
+        const __m512 sv = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(vsh[j])));
+        for (int c = 0; c < ND; ++c) {
+          _mm512_store_ps(kb + j * D + c * 16, _mm512_mul_ps(load_int8(ks + c * 16), sk));
+          _mm512_store_ps(vb + j * D + c * 16, _mm512_mul_ps(load_int8(vs + c * 16), sv));
+        }
       }
       kr[j] = kb + j * D;
       vr[j] = vb + j * D;
@@ -74,6 +89,10 @@ inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, 
   for (int64_t j = nk; j < kChunk; ++j) {
     kr[j] = kr[0];
     vr[j] = vr[0];
+  }
+  if (p.kv_int8 && kscale != nullptr) {
+    _mm512_store_ps(kscale, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ksh))));
+    _mm512_store_ps(vscale, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(vsh))));
   }
 }
 
