@@ -36,6 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=30, help="decode rounds (prefill uses a fifth, at least 3)")
     p.add_argument("--prefill-requests", type=int, default=None,
                    help="requests in the prefill comparison (default: --num-requests)")
+    p.add_argument("--no-prefill", action="store_true", help="decode only (long contexts: prefill is quadratic)")
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention (slow first compile)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="few repeats, 8 prefill requests")
@@ -157,6 +158,8 @@ def measure(args: argparse.Namespace) -> dict:
                                 "gbs_at_min": moved[name] / dec_min[name] / 1e9}
                          for name, t in dec.items()}
 
+    if args.no_prefill:
+        return results
     # ---- prefill: every request's context is new (causal), compared with SDPA is_causal on contiguous K/V
     rp = min(args.prefill_requests or r, r)
     meta_p = build_attention_metadata(tlist[:rp], [0] * rp, [ctx] * rp, bs)
@@ -219,13 +222,13 @@ def _print(res: dict) -> None:
               f"{v['floor_ms']:.2f} | {v['gbs_at_min']:.1f} |")
     dec = res["decode"]
     print(f"\ngather + SDPA / paged kernel: {dec['gather + SDPA']['ms'] / dec['paged kernel']['ms']:.2f}x")
-    storages = [n for n in dec if n.startswith("paged kernel, ")]
-    if "paged kernel, int8 KV" in storages:
-        for n in storages:
-            if n != "paged kernel, int8 KV":
-                print(f"decode {n.removeprefix('paged kernel, ')} / int8 KV: "
-                      f"{dec[n]['ms'] / dec['paged kernel, int8 KV']['ms']:.2f}x (prefill "
-                      f"{res['prefill'][n]['ms'] / res['prefill']['paged kernel, int8 KV']['ms']:.2f}x)")
+    int8 = "paged kernel, int8 KV"
+    for n in [n for n in dec if n.startswith("paged kernel, ") and n != int8 and int8 in dec]:
+        pre = res.get("prefill")
+        print(f"decode {n.removeprefix('paged kernel, ')} / int8 KV: {dec[n]['ms'] / dec[int8]['ms']:.2f}x"
+              + (f" (prefill {pre[n]['ms'] / pre[int8]['ms']:.2f}x)" if pre else ""))
+    if "prefill" not in res:
+        return
     print(f"\n| prefill ({res['prefill_requests']} req x {s['context']} new tokens, causal) | median ms | "
           f"vs SDPA causal | GFLOP/s |")
     print("|---|---:|---:|---:|")
