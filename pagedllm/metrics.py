@@ -166,13 +166,14 @@ def _tensors(x: object):
 
 
 def startup_summary(engine: object) -> str:
-    """One line on what `pagedllm serve` runs: model, dtype, quantization, KV blocks and bytes per token (of the
-    pool actually allocated), and how many requests of the full context length fit at once."""
+    """One line on what `pagedllm serve` runs: model, dtype, quantization, KV blocks, KV dtype and bytes per token
+    (of the pool actually allocated), and how many requests of the full context length fit at once."""
     kv, args = engine.kv, engine.args  # type: ignore[attr-defined]
     slots = kv.num_blocks * kv.block_size
     pool_bytes = sum(t.numel() * t.element_size() for t in _tensors(engine.runner.kv_caches))  # type: ignore[attr-defined]
     max_len = engine.max_model_len  # type: ignore[attr-defined]
+    kv_dtype = str(engine.runner.kv_caches[0][0].dtype).removeprefix("torch.")  # type: ignore[attr-defined]
     return (f"model {engine.model_name}, dtype {args.dtype}, quantization {getattr(args, 'quantization', 'none')}, "  # type: ignore[attr-defined]
-            f"KV cache {kv.num_blocks} blocks x {kv.block_size} tokens ({pool_bytes / 2**20:.0f} MiB, "
-            f"{pool_bytes / max(slots, 1):.0f} bytes per token), max model len {max_len}, max concurrency at "
+            f"KV cache {kv.num_blocks} blocks x {kv.block_size} tokens ({pool_bytes / 2**20:.0f} MiB, KV dtype "
+            f"{kv_dtype}, {pool_bytes / max(slots, 1):.0f} bytes per token), max model len {max_len}, max concurrency at "
             f"full length {slots / max_len:.2f}x, prefix caching {'on' if kv.enable_prefix_caching else 'off'}")

@@ -9,6 +9,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import build_attention_metadata, get_backend
+from pagedllm.attention.kv_quant import SCALE_BYTES, is_int8, random_pool
 from pagedllm.attention.reference import ReferenceBackend
 
 cpu = pytest.importorskip("pagedllm.attention.cpu")
@@ -30,8 +31,8 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
         tables.append(perm[at:at + nb])
         at += nb
     meta = build_attention_metadata(tables, num_computed, num_new, block_size)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(kv_dtype)
+    k_cache = random_pool((num_blocks, block_size, hkv, d), kv_dtype, gen)
+    v_cache = random_pool((num_blocks, block_size, hkv, d), kv_dtype, gen)
     t = sum(num_new)
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
     k = torch.randn(t, hkv, d, generator=gen).to(dtype)
@@ -39,15 +40,32 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
     return q, k, v, k_cache, v_cache, meta
 
 
+def oracle(q, k, v, k_cache, v_cache, meta, scale, window=None):
+    """The reference backend in float64 on the values the pool holds (new K/V rounded to the cache dtype, or
+    quantized into int8 rows and dequantized: exact in any float dtype). Writes the new K/V into the caches."""
+    if is_int8(k_cache):
+        return ReferenceBackend().forward(q.double(), k, v, k_cache, v_cache, meta, scale, window)
+    kv = k_cache.dtype
+    k64, v64 = k_cache.double(), v_cache.double()
+    out = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), k64, v64, meta, scale, window)
+    k_cache.copy_(k64), v_cache.copy_(v64)
+    return out
+
+
+def poison(cache: torch.Tensor, block: int) -> None:
+    """Garbage (NaN, or int8 rows with a NaN scale) in a block that must never be read."""
+    if is_int8(cache):
+        cache[block] = 127
+        cache[block, ..., -SCALE_BYTES:] = torch.tensor([0x00, 0x7E], dtype=torch.uint8).view(torch.int8)  # f16 NaN
+    else:
+        cache[block] = float("nan")
+
+
 def run_both(backend, q, k, v, k_cache, v_cache, meta, scale, window=None):
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
-    # the oracle in float64 on the same values (new K/V rounded to the cache dtype, as the pool stores them)
-    kv = k_cache.dtype
-    ref = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), kc_ref.double(),
-                                     vc_ref.double(), meta, scale, window)
+    ref = oracle(q, k, v, kc_ref, vc_ref, meta, scale, window)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window)
-    # the kernel wrote exactly the same K/V as the reference
-    ReferenceBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale)
+    # the kernel wrote exactly the same K/V as the reference (for int8: the same quantized bytes)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
     return out, ref
 
@@ -74,13 +92,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+# (q dtype, KV dtype): the model runs in the KV dtype, or over an int8 KV cache
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.int8),
+          (torch.bfloat16, torch.int8)]
+DTYPE_IDS = ["f32", "bf16", "f32-int8kv", "bf16-int8kv"]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference(case, kv_dtype, portable):
+def test_kernel_matches_reference(case, dtype, kv_dtype, portable):
     block_size, hq, hkv, d, computed, new = case
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, kv_dtype, portable)).encode()))
-    dtype = kv_dtype  # the model runs in the KV dtype
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, dtype, kv_dtype, portable)).encode()))
     batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
     backend = cpu.CpuAttentionBackend(portable=portable)
     out, ref = run_both(backend, *batch, scale=d ** -0.5)
@@ -101,39 +124,34 @@ WINDOW_CASES = [
 
 
 @pytest.mark.parametrize("invariant", [False, True])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("case", WINDOW_CASES)
-def test_sliding_window_matches_reference_and_reads_only_the_window(case, kv_dtype, portable, invariant):
+def test_sliding_window_matches_reference_and_reads_only_the_window(case, dtype, kv_dtype, portable, invariant):
     block_size, hq, hkv, d, window, computed, new = case
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, kv_dtype, portable)).encode()))
-    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, block_size, hq, hkv, d, kv_dtype, kv_dtype)
-    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
-                                     meta, d ** -0.5, window)
-    ReferenceBackend().forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)  # the pool as the kernel finds it
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, dtype, kv_dtype, portable)).encode()))
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
+    ref = oracle(q, k, v, k_cache, v_cache, meta, d ** -0.5, window)  # leaves the pool as the kernel finds it
     for r, c in enumerate(computed):
         first = max(0, c - window + 1)  # the first key any query of request r sees
         for b in meta.block_tables[r, :first // block_size].tolist():
-            k_cache[b] = v_cache[b] = float("nan")  # blocks a sliding-window cache may have freed: never read
+            poison(k_cache, b), poison(v_cache, b)  # blocks a sliding-window cache may have freed: never read
     out = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, portable=portable, invariant=invariant,
                                   window=window)
-    torch.testing.assert_close(out.double(), ref, **tol(kv_dtype))
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
 
 
 @pytest.mark.parametrize("min_items", [1, 64])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_long_context_split_matches(min_items, kv_dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPES, ids=DTYPE_IDS)
+def test_long_context_split_matches(min_items, dtype, kv_dtype):
     """min_items=64 forces the context split + merge path; 1 disables it."""
     gen = torch.Generator().manual_seed(1234 + min_items)
     q, k, v, k_cache, v_cache, meta = make_batch(gen, [2000, 1500, 700], [1, 3, 40], 16, 9, 3, 64,
-                                                 kv_dtype, kv_dtype)
+                                                 dtype, kv_dtype)
     scale = 0.125
-    ref = ReferenceBackend().forward(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
-                                     meta, scale)
-    from pagedllm.attention.reference import write_kv
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    ref = oracle(q, k, v, k_cache, v_cache, meta, scale)  # also writes the new K/V
     out = kernels.paged_attention(q, k_cache, v_cache, meta, scale, min_items=min_items)
-    torch.testing.assert_close(out.double(), ref, **tol(kv_dtype))
+    torch.testing.assert_close(out.double(), ref, **tol(dtype))
 
 
 def test_strided_q_and_large_scores():

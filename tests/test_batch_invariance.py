@@ -20,6 +20,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import build_attention_metadata
+from pagedllm.attention.kv_quant import random_pool
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ExecPath:
 PATHS = [
     ExecPath("fp32", torch.float32, torch.float32),
     ExecPath("bf16", torch.bfloat16, torch.bfloat16),
+    ExecPath("bf16-int8kv", torch.bfloat16, torch.int8, engine={"kv_cache_dtype": "int8"}),
     # the embedded model stores Q4_1; 1B-class GGUFs mostly Q4_K (its blocks are read by another kernel loop)
     ExecPath("q4_1-weights", torch.bfloat16, torch.bfloat16, weights="Q4_1", engine={"quantization": "auto"}),
     ExecPath("q4_k-weights", torch.bfloat16, torch.bfloat16, weights="Q4_K", engine={"quantization": "auto"}),
@@ -116,8 +118,8 @@ def _pool(gen, lens: list[int], kv_dtype):
     for nb in need:
         tables.append(perm[at:at + nb])
         at += nb
-    k_cache = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, BS, HKV, D, generator=gen).to(kv_dtype)
+    k_cache = random_pool((num_blocks, BS, HKV, D), kv_dtype, gen)
+    v_cache = random_pool((num_blocks, BS, HKV, D), kv_dtype, gen)
     return tables, k_cache, v_cache
 
 

@@ -52,9 +52,9 @@ def hf(hf_smollm2):
 class Greedy:
     """Hand-built paged batches over a shuffled block pool (the engine is tested elsewhere)."""
 
-    def __init__(self, loaded, num_blocks: int = 256):
+    def __init__(self, loaded, num_blocks: int = 256, kv_dtype: torch.dtype | None = None):
         self.m = loaded.model
-        self.kv = allocate_kv_caches(loaded.config, BS, loaded.dtype, num_blocks=num_blocks)
+        self.kv = allocate_kv_caches(loaded.config, BS, kv_dtype or loaded.dtype, num_blocks=num_blocks)
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)
 

@@ -1,8 +1,9 @@
 """The "cpu" attention backend: the C++ paged-attention kernel (pagedllm/kernels/csrc/paged_attention.cpp).
 
 The kernel reads K/V blocks in place through the block tables (no gathered copy), with an online softmax across
-chunks of keys, all query heads of a KV head together (GQA), fp32 or bf16 KV, parallel over (request, KV head,
-tile) with OpenMP and long contexts split across threads and merged. Constructing the backend builds (or loads)
+chunks of keys, all query heads of a KV head together (GQA), fp32, bf16 or int8 KV, parallel over (request, KV head,
+tile) with OpenMP and long contexts split across threads and merged. An int8 pool (attention/kv_quant.py) is
+written by the C++ quantize-and-scatter op and dequantized inside the kernel. Constructing the backend builds (or loads)
 the kernels; if the build fails, get_backend("auto") logs a warning and falls back to the reference backend.
 """
 
@@ -11,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention import register_backend
+from pagedllm.attention.kv_quant import is_int8
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import copy_blocks, write_kv
-from pagedllm.kernels import load_ops, paged_attention
+from pagedllm.kernels import load_ops, paged_attention, write_kv_int8
 
 
 class CpuAttentionBackend:
@@ -31,7 +33,7 @@ class CpuAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        (write_kv_int8 if is_int8(k_cache) else write_kv)(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable, window=window)
 
 

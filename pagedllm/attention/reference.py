@@ -1,6 +1,8 @@
 """Reference paged attention: pure torch, readable, the oracle every faster kernel is checked against.
 
-KV pool per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+KV pool per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim] in the compute
+dtype, or int8 rows with their scales (kv_quant.py): the int8 mode writes quantized rows and attends over their
+dequantized values, the oracle of the kernels' int8 paths.
 """
 
 from __future__ import annotations
@@ -8,15 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_quant import as_float, is_int8, quantize
 from pagedllm.attention.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter all new K/V of the batch into the pool in one indexed copy per tensor."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter all new K/V of the batch into the pool in one indexed copy per tensor (quantized first for an int8
+    pool)."""
+    num_kv_heads, row = k_cache.shape[-2:]
+    convert = quantize if is_int8(k_cache) else (lambda x: x.to(k_cache.dtype))
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, convert(k))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, convert(v))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0) -> torch.Tensor:
@@ -84,8 +89,8 @@ class ReferenceBackend:
         # keys before the first query's window are never read (their blocks may have been freed): start at the
         # block holding the first key any query sees
         first = 0 if window is None else max(0, seq_len - n - window + 1) // k_cache.shape[1] * k_cache.shape[1]
-        k = gather_context(k_cache, block_table, seq_len, first).to(q.dtype)
-        v = gather_context(v_cache, block_table, seq_len, first).to(q.dtype)
+        k = as_float(gather_context(k_cache, block_table, seq_len, first), q.dtype)
+        v = as_float(gather_context(v_cache, block_table, seq_len, first), q.dtype)
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if n == seq_len and window is None:  # nothing cached: plain causal
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
@@ -108,8 +113,8 @@ class ReferenceBackend:
         max_len = int(seq_lens.max())
         nb = -(-max_len // block_size)
         tables = meta.block_tables[idx, :nb].long()  # padded entries point at block 0, masked below
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)  # [R, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].to(q.dtype)
+        k = as_float(k_cache[tables].flatten(1, 2)[:, :max_len], q.dtype)  # [R, L, Hkv, D]
+        v = as_float(v_cache[tables].flatten(1, 2)[:, :max_len], q.dtype)
         kpos = torch.arange(max_len)[None, :]
         mask = kpos < seq_lens[:, None]
         if window is not None:  # keys outside the window are masked; their (maybe freed) blocks read as padding

@@ -3,6 +3,8 @@
 `python -m pagedllm.benchmarks.kernel [--quick]` or `pagedllm bench kernel`. Default shape: 32 requests x 1024
 tokens, 9 query / 3 KV heads, head_dim 64, block size 16, blocks scattered over the pool at random. All methods see
 the same K/V values; methods are interleaved round by round and medians reported (the machine is shared/noisy).
+The paged kernel is also timed over the same K/V stored in the other KV dtypes (--kv-dtypes: fp32, bf16, int8 rows
+with their scales), against contiguous SDPA over the values that storage holds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_quant import as_float, quantize
 from pagedllm.attention.metadata import build_attention_metadata
 
 
@@ -28,9 +31,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kv-dtypes", default="float32,bfloat16,int8",
+                   help="KV storages the paged kernel is also timed with (q stays --dtype); '' for none")
     p.add_argument("--repeats", type=int, default=30, help="decode rounds (prefill uses a fifth, at least 3)")
     p.add_argument("--prefill-requests", type=int, default=None,
                    help="requests in the prefill comparison (default: --num-requests)")
+    p.add_argument("--no-prefill", action="store_true", help="decode only (long contexts: prefill is quadratic)")
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention (slow first compile)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="few repeats, 8 prefill requests")
@@ -120,8 +126,10 @@ def measure(args: argparse.Namespace) -> dict:
     q = torch.randn(r, hq, d, generator=gen).to(dtype)
     q4 = q[:, :, None, :]
     out = torch.empty_like(q)
+    kv_pools = _kv_storages(args, k_cache, v_cache)
     fns = {
         "paged kernel": lambda: kernels.paged_attention(q, k_cache, v_cache, meta, scale, out=out),
+        **{f"paged kernel, {name} KV": _paged(q, kc, vc, meta, scale) for name, (kc, vc) in kv_pools.items()},
         "gather + SDPA": lambda: gather_sdpa_decode(q4, k_cache, v_cache, tables, ctx, scale),
         "contiguous SDPA": lambda: F.scaled_dot_product_attention(q4, k_contig, v_contig, scale=scale,
                                                                   enable_gqa=True),
@@ -131,21 +139,27 @@ def measure(args: argparse.Namespace) -> dict:
         flex_decode = flex.FlexPagedDecode(k_cache, v_cache, tables, ctx, hq, scale)
         fns["flex (compiled)"] = lambda: flex_decode(q)
     ref = fns["contiguous SDPA"]()[:, :, 0].float()
-    for name, fn in fns.items():  # every method computes the same thing
+    for name, fn in fns.items():  # every method computes the same thing (over the values its storage holds)
         got = fn()
         got = got[:, :, 0] if got.dim() == 4 else got
-        err = (got.float() - ref).abs().max().item()
+        kv = kv_pools.get(name.removeprefix("paged kernel, ").removesuffix(" KV"))
+        want = ref if kv is None else _contiguous_sdpa(q4, *kv, tables, ctx, scale)[:, :, 0].float()
+        err = (got.float() - want).abs().max().item()
         assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"{name} disagrees with SDPA: {err}"
     dec = _time_rounds(fns, args.repeats)
     dec_min = _time_rounds(fns, max(3, args.repeats // 3), warmup=0, stat=min)
     moved = {"paged kernel": kv_bytes, "gather + SDPA": 3 * kv_bytes, "contiguous SDPA": kv_bytes,
-             "flex (compiled)": kv_bytes}
+             "flex (compiled)": kv_bytes,
+             **{f"paged kernel, {name} KV": 2 * r * ctx * hkv * kc.shape[-1] * kc.element_size()
+                for name, (kc, _) in kv_pools.items()}}
     results["decode"] = {name: {"ms": t * 1e3, "vs_contiguous": t / dec["contiguous SDPA"],
                                 "min_ms": dec_min[name] * 1e3, "bytes_mb": moved[name] / 1e6,
                                 "floor_ms": moved[name] / (results["bandwidth_gbs"] * 1e9) * 1e3,
                                 "gbs_at_min": moved[name] / dec_min[name] / 1e9}
                          for name, t in dec.items()}
 
+    if args.no_prefill:
+        return results
     # ---- prefill: every request's context is new (causal), compared with SDPA is_causal on contiguous K/V
     rp = min(args.prefill_requests or r, r)
     meta_p = build_attention_metadata(tlist[:rp], [0] * rp, [ctx] * rp, bs)
@@ -154,6 +168,7 @@ def measure(args: argparse.Namespace) -> dict:
     outp = torch.empty_like(qp)
     pf = {
         "paged kernel": lambda: kernels.paged_attention(qp, k_cache, v_cache, meta_p, scale, out=outp),
+        **{f"paged kernel, {name} KV": _paged(qp, kc, vc, meta_p, scale) for name, (kc, vc) in kv_pools.items()},
         "SDPA causal": lambda: F.scaled_dot_product_attention(qp4, k_contig[:rp], v_contig[:rp], is_causal=True,
                                                               scale=scale, enable_gqa=True),
     }
@@ -165,6 +180,32 @@ def measure(args: argparse.Namespace) -> dict:
                           for name, t in pre.items()}
     results["prefill_requests"] = rp
     return results
+
+
+def _kv_storages(args: argparse.Namespace, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
+    """name -> (k_cache, v_cache): the same K/V in each storage of --kv-dtypes (int8: quantized rows)."""
+    pools = {}
+    for name in filter(None, args.kv_dtypes.split(",")):
+        if name == "int8":
+            pools[name] = (quantize(k_cache), quantize(v_cache))
+        else:
+            pools[name] = (k_cache.to(getattr(torch, name)), v_cache.to(getattr(torch, name)))
+    return pools
+
+
+def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> Callable:
+    from pagedllm import kernels
+
+    out = torch.empty_like(q)
+    return lambda: kernels.paged_attention(q, k_cache, v_cache, meta, scale, out=out)
+
+
+def _contiguous_sdpa(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx: int,
+                     scale: float) -> torch.Tensor:
+    """SDPA in fp32 over the values a pool holds (dequantized for int8), laid out contiguously."""
+    k = as_float(k_cache[tables].flatten(1, 2)[:, :ctx], torch.float32).transpose(1, 2)
+    v = as_float(v_cache[tables].flatten(1, 2)[:, :ctx], torch.float32).transpose(1, 2)
+    return F.scaled_dot_product_attention(q4.float(), k, v, scale=scale, enable_gqa=True)
 
 
 def _print(res: dict) -> None:
@@ -181,6 +222,13 @@ def _print(res: dict) -> None:
               f"{v['floor_ms']:.2f} | {v['gbs_at_min']:.1f} |")
     dec = res["decode"]
     print(f"\ngather + SDPA / paged kernel: {dec['gather + SDPA']['ms'] / dec['paged kernel']['ms']:.2f}x")
+    int8 = "paged kernel, int8 KV"
+    for n in [n for n in dec if n.startswith("paged kernel, ") and n != int8 and int8 in dec]:
+        pre = res.get("prefill")
+        print(f"decode {n.removeprefix('paged kernel, ')} / int8 KV: {dec[n]['ms'] / dec[int8]['ms']:.2f}x"
+              + (f" (prefill {pre[n]['ms'] / pre[int8]['ms']:.2f}x)" if pre else ""))
+    if "prefill" not in res:
+        return
     print(f"\n| prefill ({res['prefill_requests']} req x {s['context']} new tokens, causal) | median ms | "
           f"vs SDPA causal | GFLOP/s |")
     print("|---|---:|---:|---:|")

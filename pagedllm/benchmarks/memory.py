@@ -5,7 +5,9 @@ workload runs under a KV pool of a fixed number of token slots. `kv_layout="cont
 (2048) slots per request at admission (the pre-paging baseline); `"paged"` hands out blocks as tokens arrive.
 After every engine step we sample running requests and KV slot utilisation (used slots / allocated slots); we
 report peak and mean running requests, mean utilisation, waste % (1 - utilisation), preemptions and throughput.
-The block-size sweep keeps the same slot budget and reports the same numbers per block size.
+The block-size sweep keeps the same slot budget and reports the same numbers per block size. The KV dtype
+comparison (--kv-cache-dtypes) runs the paged layout again with the same KV bytes as the paged run (its pool in the
+compute dtype) stored as int8 (kv_cache_dtype="int8": ~1.9x the blocks): peak running requests and throughput.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="block size of the paged-vs-contiguous runs")
     p.add_argument("--block-sizes", default="8,16,32,64,128", help="paged block-size sweep ('' to skip)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-dtypes", default="int8",
+                   help="KV dtypes run paged at the paged run's KV bytes, against it ('' to skip)")
 
 
 def pool_blocks(budget_tokens: int, block_size: int) -> int:
@@ -38,12 +42,13 @@ def pool_blocks(budget_tokens: int, block_size: int) -> int:
     return n + math.ceil(0.02 * n) + 1
 
 
-def run_config(wl: common.Workload, args: argparse.Namespace, layout: str, block_size: int) -> dict:
+def run_config(wl: common.Workload, args: argparse.Namespace, layout: str, block_size: int, **engine) -> dict:
+    """engine: LLM arguments over the defaults (e.g. kv_cache_dtype, or num_kv_blocks=None + kv_cache_memory)."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(**common.llm_kwargs(args, kv_layout=layout, block_size=block_size,
-                                  num_kv_blocks=pool_blocks(args.kv_budget_tokens, block_size),
-                                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs))
+    kw = dict(kv_layout=layout, block_size=block_size, num_kv_blocks=pool_blocks(args.kv_budget_tokens, block_size),
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = LLM(**common.llm_kwargs(args, **{**kw, **engine}))
     common.warm_up(llm)
     common.reset_peak(llm)
     pre0 = llm.kv_cache_stats()["num_preemptions"]
@@ -59,6 +64,8 @@ def run_config(wl: common.Workload, args: argparse.Namespace, layout: str, block
     util = used[live] / alloc[live]
     stats = llm.kv_cache_stats()
     return {"layout": layout, "block_size": block_size, "num_blocks": stats["num_blocks"],
+            "kv_cache_dtype": stats["kv_cache_dtype"], "kv_mib": stats["num_blocks"] * block_size *
+            stats["kv_bytes_per_token"] / 2**20,
             "elapsed_s": res.elapsed, "out_tok_per_s": got / res.elapsed, "output_tokens": got,
             "steps": len(s), "peak_running": int(running.max()), "mean_running": float(running.mean()),
             "mean_util": float(util.mean()), "waste_pct": 100 * (1 - float(util.mean())),
@@ -69,11 +76,11 @@ def run_config(wl: common.Workload, args: argparse.Namespace, layout: str, block
                       "util": (np.where(live, used / np.maximum(alloc, 1), np.nan)).tolist()}}
 
 
-def _median_run(wl, args, layout, bs) -> dict:
+def _median_run(wl, args, layout, bs, **engine) -> dict:
     runs = []
     for _ in range(max(1, args.repeats)):
-        runs.append(run_config(wl, args, layout, bs))
-        print(f"{layout} block {bs}: {runs[-1]['out_tok_per_s']:.1f} out tok/s, peak running "
+        runs.append(run_config(wl, args, layout, bs, **engine))
+        print(f"{layout} block {bs} {runs[-1]['kv_cache_dtype']} KV: {runs[-1]['out_tok_per_s']:.1f} out tok/s, peak running "
               f"{runs[-1]['peak_running']}, util {runs[-1]['mean_util']:.1%}", file=sys.stderr, flush=True)
     runs.sort(key=lambda r: r["out_tok_per_s"])
     r = runs[(len(runs) - 1) // 2]  # median (the slower middle one if even)
@@ -111,15 +118,40 @@ def measure(args: argparse.Namespace) -> dict:
     print(common.table(sweep, cols, title="paged block-size sweep (same slot budget)"))
     best = max(sweep, key=lambda r: r["out_tok_per_s"])
     print(f"fastest block size: {best['block_size']} ({best['out_tok_per_s']:.1f} out tok/s, "
-          f"waste {best['waste_pct']:.1f}%); total {time.perf_counter() - t0:.0f}s")
+          f"waste {best['waste_pct']:.1f}%)")
+    kv_dtypes = compare_kv_dtypes(wl, args, paged)
+    print(f"total {time.perf_counter() - t0:.0f}s")
     payload = {"bench": "memory", "env": common.environment(args.threads), "workload": wl.summary(),
                "kv_budget_tokens": args.kv_budget_tokens, "max_model_len": args.max_model_len,
                "compare": compare, "ratios": ratio, "block_size_sweep": sweep,
-               "fastest_block_size": best["block_size"]}
+               "fastest_block_size": best["block_size"], "kv_dtypes": kv_dtypes}
     fig = _plot(compare, sweep)
     jp, pp = common.save("memory" + args.tag, payload, fig, args.out_dir)
     print(f"wrote {jp}" + (f" and {pp}" if pp else ""))
     return payload
+
+
+def compare_kv_dtypes(wl: common.Workload, args: argparse.Namespace, paged: dict) -> list[dict]:
+    """The paged run's KV bytes given to each of --kv-cache-dtypes (the engine sizes its pool from them)."""
+    names = [x for x in args.kv_cache_dtypes.split(",") if x]
+    if not names:
+        return []
+    budget = int(paged["kv_mib"] * 2**20)
+    rows = [paged] + [_median_run(wl, args, "paged", paged["block_size"], num_kv_blocks=None,
+                                  kv_cache_memory=budget, kv_cache_dtype=n) for n in names]
+    cols = ["kv_cache_dtype", "num_blocks", "kv_mib", "peak_running", "mean_running", "preemptions",
+            "out_tok_per_s", "elapsed_s"]
+    print(common.table(rows, cols, title=f"KV dtype at the same KV memory ({budget / 2**20:.0f} MiB, paged)"))
+    for r in rows[1:]:
+        r["vs_auto"] = {"peak_running_x": r["peak_running"] / max(1, paged["peak_running"]),
+                        "mean_running_x": r["mean_running"] / max(1e-9, paged["mean_running"]),
+                        "throughput_x": r["out_tok_per_s"] / paged["out_tok_per_s"],
+                        "blocks_x": r["num_blocks"] / paged["num_blocks"]}
+        v = r["vs_auto"]
+        print(f"{r['kv_cache_dtype']} / {paged['kv_cache_dtype']} KV: blocks x{v['blocks_x']:.2f}, peak running "
+              f"x{v['peak_running_x']:.2f}, mean running x{v['mean_running_x']:.2f}, throughput "
+              f"x{v['throughput_x']:.2f} (targets: >= 1.8x peak running, throughput no lower)")
+    return rows
 
 
 def _plot(compare: list[dict], sweep: list[dict]):

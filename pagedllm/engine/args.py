@@ -42,6 +42,9 @@ class EngineArgs:
     # The default stays "none" until the as-stored path matches it in quality with bf16 activations and in batched
     # throughput (issue #15 is open: see README, quantized weights)
     quantization: str = "none"
+    # the KV cache: "auto" = the compute dtype, "int8" = int8 rows with a float16 scale per (token, KV head):
+    # ~1.9x the blocks of bf16 KV in the same kv_cache_memory (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     # every kernel computes a row the same way whatever the batch: tokens do not depend on batching, chunking,
     # the prefix cache or preemption (README: what turning it off trades)
     batch_invariant: bool = True
@@ -63,6 +66,8 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)
         if self.quantization not in ("auto", "none", "int8"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.speculative_config is not None:
             from pagedllm.engine.speculative import SpeculativeConfig
 
@@ -105,6 +110,9 @@ class EngineArgs:
                        help="auto, reference (the pure-torch oracle) or a kernel name")
         g.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int8"],
                        help="auto: GGUF weights run as stored; none: dequantize; int8: HF weights in int8 blocks")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
+                       help="auto: the KV cache in the compute dtype; int8: int8 K/V with a scale per token and "
+                            "KV head (about half the bytes of bf16, twice the blocks)")
         g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=d.batch_invariant,
                        help="outputs independent of batching, chunking and the prefix cache")
         g.add_argument("--seed", type=int, default=d.seed, help="seed of the engine's sampler")

@@ -21,7 +21,7 @@ from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_sa
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.hub import resolve_model_path
-from pagedllm.model.kv_cache import num_blocks_for_budget
+from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -48,14 +48,15 @@ class LLMEngine:
         max_pos = self.model_config.max_position_embeddings
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
 
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
         num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, args.block_size, dtype, parse_bytes(args.kv_cache_memory))
+            self.model_config, args.block_size, self.kv_dtype, parse_bytes(args.kv_cache_memory))
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                                  kv_layout=args.kv_layout, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  dtype, args.attention_backend, args.batch_invariant)
+                                  self.kv_dtype, args.attention_backend, args.batch_invariant)
         self.sampler = Sampler(args.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
                                                 self.max_model_len)
@@ -68,9 +69,10 @@ class LLMEngine:
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
         self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
-        logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity",
-                    time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."), num_blocks, args.block_size,
-                    num_blocks * args.block_size)
+        logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity (KV %s, "
+                    "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
+                    num_blocks, args.block_size, num_blocks * args.block_size, self.kv_cache_dtype_name(),
+                    self.kv_bytes_per_token())
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -271,8 +273,17 @@ class LLMEngine:
         """Draft tokens proposed and accepted, acceptance rate, mean tokens emitted per verification."""
         return self.output_processor.spec_stats.as_dict()
 
+    def kv_cache_dtype_name(self) -> str:
+        return str(self.kv_dtype).removeprefix("torch.")
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers, scales included."""
+        return kv_bytes_per_block(self.model_config, self.args.block_size, self.kv_dtype) // self.args.block_size
+
     def kv_cache_stats(self) -> dict:
         stats = dict(self.kv.stats())
+        stats["kv_cache_dtype"] = self.kv_cache_dtype_name()
+        stats["kv_bytes_per_token"] = self.kv_bytes_per_token()
         stats["num_preemptions"] = self.scheduler.num_preemptions
         stats["num_cached_free_blocks"] = num_cached_free_blocks(self.kv)  # free, still holding a prefix
         used, allocated = self._slot_samples  # sampled at every step, after scheduling

@@ -1,4 +1,4 @@
-"""Python entry to the paged-attention kernel (csrc/paged_attention.cpp)."""
+"""Python entries to the paged-attention kernel (csrc/paged_attention.cpp) and the int8 K/V write (kv_write.cpp)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                         _int32(meta.query_start_loc), float(scale), int(portable) | int(invariant) << 1, int(min_items),
                         int(window or 0))
     return out
+
+
+def write_kv_int8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Quantize the new K/V [T,Hkv,D] and scatter them into int8 pools at slot_mapping, in one pass (the same
+    bytes as attention/kv_quant.quantize)."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else \
+        slot_mapping.to(torch.int64).contiguous()
+    load_ops().write_kv_int8(k, v, k_cache, v_cache, slots)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

@@ -6,25 +6,35 @@ import logging
 
 import torch
 
+from pagedllm.attention.kv_quant import row_elems
 from pagedllm.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype: "auto" = the compute dtype, "int8" = int8 rows with their scales (attention/kv_quant.py)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                         f"got {kv_cache_dtype!r}")
+    return torch.int8 if kv_cache_dtype == "int8" else dtype
 
 
 class KVCacheList(list):
     """The per-layer (k_cache, v_cache) pairs, remembering the single pool tensor
-    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] they are views of, so that block copies can
-    touch every layer in one indexed copy."""
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, row] they are views of (row = head_dim, or head_dim + 2
+    for int8 rows with their scale), so that block copies can touch every layer in one indexed copy."""
 
     pool: torch.Tensor
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x block_size x kv_heads x head_dim x element size."""
+    """2 (K and V) x layers x block_size x kv_heads x row elements (scales included) x element size."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row_elems(cfg.head_dim, dtype) * elem
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -37,7 +47,8 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 
 def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
                        num_blocks: int | None = None, budget_bytes: int | None = None) -> KVCacheList:
-    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] of dtype (the
+    KV dtype: the compute dtype, or torch.int8 for int8 rows of head_dim + 2 bytes, see resolve_kv_dtype).
 
     All pools are views of one allocation. Zero-filled: padded reads of never-written slots must be finite
     (masked attention weights are 0, but 0 * NaN is NaN).
@@ -48,10 +59,12 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
         num_blocks = num_blocks_for_budget(cfg, block_size, dtype, budget_bytes)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    pool = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
-    total = num_blocks * kv_bytes_per_block(cfg, block_size, dtype)
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%.1f MiB, %s)",
-                num_blocks, block_size, num_blocks * block_size, total / 2**20, str(dtype).replace("torch.", ""))
+    pool = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, row_elems(cfg.head_dim, dtype),
+                       dtype=dtype)
+    per_block = kv_bytes_per_block(cfg, block_size, dtype)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%.1f MiB, %s, %d bytes per token)",
+                num_blocks, block_size, num_blocks * block_size, num_blocks * per_block / 2**20,
+                str(dtype).replace("torch.", ""), per_block // block_size)
     caches = KVCacheList((pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers))
     caches.pool = pool
     return caches

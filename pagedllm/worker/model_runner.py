@@ -13,12 +13,13 @@ from pagedllm.model.kv_cache import allocate_kv_caches
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True) -> None:
+                 kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True) -> None:
+        """kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8: model/kv_cache.resolve_kv_dtype)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
-        self.kv_caches = allocate_kv_caches(config, block_size, dtype, num_blocks=num_blocks)
+        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks)
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh

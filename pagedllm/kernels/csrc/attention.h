@@ -4,6 +4,10 @@
 // group are handled together, so each K/V row is read once per tile for the whole group (GQA-aware). Softmax is
 // online over chunks of keys; slices of a long context are merged at the end (flash-decoding style).
 //
+// int8 KV (kv_int8): each row is dequantized (value x its row's scale, exact in fp32) as it is loaded, into the
+// same fp32 chunk buffers the bf16 rows are widened into; the fp32 dot and lanes paths and the portable path run
+// on them unchanged (the bf16 paths need a bf16 cache and never see int8).
+//
 // Three inner loops, all with fp32 accumulators:
 //   * "dot" path (few query rows, e.g. decode): 16 dot products per row, reduced into one vector of 16 scores;
 //     bf16 K/V are widened when loaded;
@@ -67,11 +71,22 @@ struct Problem {
   const int32_t* qsl;
   int64_t hq, hkv, group, d, bs, maxb;
   int64_t q_tok_stride, q_head_stride;  // elements
-  int64_t kv_tok_stride;                // hkv * d
+  int64_t kv_head_stride;               // elements of one (token, KV head) row: d, or d + kScaleBytes for int8
+  int64_t kv_tok_stride;                // hkv * kv_head_stride
   float qscale;                         // scale * log2(e)
   bool q_bf16, kv_bf16;                 // out has q's dtype
+  bool kv_int8;                         // int8 rows, each followed by its float16 scale (attention/kv_quant.py)
   bool invariant;                       // batch-invariant mode (see paged_attention.cpp)
 };
+
+// An int8 KV row: d int8 values, then the two bytes of its float16 scale (value = q * scale).
+constexpr int64_t kScaleBytes = 2;
+
+inline float int8_row_scale(const int8_t* row, int64_t d) {
+  uint16_t h;
+  std::memcpy(&h, row + d, sizeof h);
+  return pagedllm::f16_to_f32(h);
+}
 
 struct Item {
   int32_t r, h, t0, t1;  // request, first KV head, new tokens [t0, t1) of the request

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "attention.h"
 
@@ -27,16 +28,44 @@ inline __m512 exp2_ps(__m512 x) {  // 2^x, rel. error ~1e-7; x <= -126 gives ~0 
 
 using pagedllm::load_bf16;
 
+inline __m512 load_int8(const int8_t* src) {  // 16 int8 values as fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+
 
 // Row pointers (fp32) of the next chunk of keys; bf16 rows are widened into kb/vb. Missing keys (past k1) point
 // at the first row so that fixed 16-wide loops stay in bounds (their scores are masked).
+// int8 rows are widened into kb/vb too: scaled here when kscale/vscale are null (the lanes path), else unscaled,
+// with the 16 rows' scales stored into kscale/vscale (0 for missing keys) for the caller to apply to the scores
+// and probabilities (the dot path: one multiply per key instead of one per element).
 template <int ND>
 inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, bool pack, float* kb, float* vb,
-                       const float** kr, const float** vr) {
+                       const float** kr, const float** vr, float* kscale = nullptr, float* vscale = nullptr) {
   constexpr int D = ND * 16;
+  alignas(32) uint16_t ksh[kChunk] = {}, vsh[kChunk] = {};  // the rows' float16 scales
   for (int64_t j = 0; j < nk; ++j, cur.next()) {
-    const int64_t off = cur.slot() * p.kv_tok_stride + h * D;
-    if (p.kv_bf16) {
+    const int64_t off = cur.slot() * p.kv_tok_stride + h * p.kv_head_stride;
+    if (p.kv_int8) {
+      const int8_t* ks = static_cast<const int8_t*>(p.kc) + off;
+      const int8_t* vs = static_cast<const int8_t*>(p.vc) + off;
+      std::memcpy(&ksh[j], ks + D, sizeof(uint16_t));
+      std::memcpy(&vsh[j], vs + D, sizeof(uint16_t));
+      if (kscale != nullptr) {
+        for (int c = 0; c < ND; ++c) {
+          _mm512_store_ps(kb + j * D + c * 16, load_int8(ks + c * 16));
+          _mm512_store_ps(vb + j * D + c * 16, load_int8(vs + c * 16));
+        }
+      } else {
+        const __m512 sk = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(ksh[j])));
+        const __m512 sv = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(vsh[j])));
+        for (int c = 0; c < ND; ++c) {
+          _mm512_store_ps(kb + j * D + c * 16, _mm512_mul_ps(load_int8(ks + c * 16), sk));
+          _mm512_store_ps(vb + j * D + c * 16, _mm512_mul_ps(load_int8(vs + c * 16), sv));
+        }
+      }
+      kr[j] = kb + j * D;
+      vr[j] = vb + j * D;
+    } else if (p.kv_bf16) {
       const uint16_t* ks = static_cast<const uint16_t*>(p.kc) + off;
       const uint16_t* vs = static_cast<const uint16_t*>(p.vc) + off;
       for (int c = 0; c < ND; ++c) {
@@ -61,6 +90,10 @@ inline void chunk_rows(const Problem& p, int64_t h, KeyCursor& cur, int64_t nk, 
     kr[j] = kr[0];
     vr[j] = vr[0];
   }
+  if (p.kv_int8 && kscale != nullptr) {
+    _mm512_store_ps(kscale, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(ksh))));
+    _mm512_store_ps(vscale, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(vsh))));
+  }
 }
 
 // Software prefetch of the K/V rows ahead of the chunk being computed: the block table scatters the rows, so the
@@ -75,13 +108,14 @@ struct Prefetcher {
   template <int ND>
   inline void run(const Problem& p, int64_t h, int64_t c, int64_t k1) {
     constexpr int D = ND * 16;
-    const int64_t esz = p.kv_bf16 ? 2 : 4;
+    const int64_t esz = p.kv_int8 ? 1 : p.kv_bf16 ? 2 : 4;
+    const int64_t row_bytes = p.kv_head_stride * esz;
     const int64_t target = std::min<int64_t>(k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk);
     const char* kbase = static_cast<const char*>(p.kc);
     const char* vbase = static_cast<const char*>(p.vc);
     for (; next < target; ++next, cur.next()) {
-      const int64_t off = (cur.slot() * p.kv_tok_stride + h * D) * esz;
-      for (int64_t b = 0; b < D * esz; b += 64) {
+      const int64_t off = (cur.slot() * p.kv_tok_stride + h * p.kv_head_stride) * esz;
+      for (int64_t b = 0; b < row_bytes; b += 64) {
         _mm_prefetch(kbase + off + b, _MM_HINT_T0);
         _mm_prefetch(vbase + off + b, _MM_HINT_T0);
       }

@@ -69,10 +69,14 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
   const float* vr[kChunk];
   alignas(64) float probs[kMaxRows * kChunk];  // this chunk's softmax numerators, kChunk per query row
   alignas(64) float alpha[kMaxRows];           // per row: rescale of the accumulator for the new running max
+  alignas(64) float kscale[kChunk], vscale[kChunk];  // int8 KV: the chunk's row scales (see chunk_rows)
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
     pf.run<ND>(p, it.h, c, it.k1);
-    chunk_rows<ND>(p, it.h, cur, nk, false, s.kbuf.get(), s.vbuf.get(), kr, vr);
+    chunk_rows<ND>(p, it.h, cur, nk, false, s.kbuf.get(), s.vbuf.get(), kr, vr, kscale, vscale);
+    // int8 KV: score = (q . k_int) * k_scale; the values' scales go into the probabilities (not into l)
+    const __m512 ksv = p.kv_int8 ? _mm512_load_ps(kscale) : _mm512_set1_ps(1.f);
+    const __m512 vsv = p.kv_int8 ? _mm512_load_ps(vscale) : _mm512_set1_ps(1.f);
     int64_t nv_max = 0;
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t nv = std::clamp<int64_t>(pos[i] - c + 1, 0, nk);  // causal: keys up to the row's position
@@ -90,14 +94,14 @@ void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
         for (int e = 1; e < ND; ++e) a = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(kr[j] + e * 16), a);
         sacc[j] = a;
       }
-      const __m512 sv = reduce16(sacc);
+      const __m512 sv = p.kv_int8 ? _mm512_mul_ps(reduce16(sacc), ksv) : reduce16(sacc);
       const __mmask16 km = static_cast<__mmask16>((1u << nv) - 1u);
       const float mn = std::max(m[i], _mm512_mask_reduce_max_ps(km, sv));
       alpha[i] = std::exp2(m[i] - mn);
       const __m512 pv = _mm512_maskz_mov_ps(km, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
       l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(pv);
       m[i] = mn;
-      _mm512_store_ps(probs + i * kChunk, pv);
+      _mm512_store_ps(probs + i * kChunk, p.kv_int8 ? _mm512_mul_ps(pv, vsv) : pv);
     }
     for (int64_t i = 0; i < rows; i += kGroup)
       accumulate_rows<ND, kGroup>(std::min<int64_t>(kGroup, rows - i), acc + i * D, alpha + i, probs + i * kChunk,

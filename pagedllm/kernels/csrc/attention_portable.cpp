@@ -33,8 +33,16 @@ void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partia
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
     for (int64_t j = 0; j < nk; ++j, cur.next()) {
-      const int64_t off = cur.slot() * p.kv_tok_stride + it.h * d;
-      if (p.kv_bf16) {
+      const int64_t off = cur.slot() * p.kv_tok_stride + it.h * p.kv_head_stride;
+      if (p.kv_int8) {
+        const int8_t* ks = static_cast<const int8_t*>(p.kc) + off;
+        const int8_t* vs = static_cast<const int8_t*>(p.vc) + off;
+        const float sk = int8_row_scale(ks, d), sv = int8_row_scale(vs, d);
+        for (int64_t e = 0; e < d; ++e) {
+          kb[j * d + e] = static_cast<float>(ks[e]) * sk;
+          vb[j * d + e] = static_cast<float>(vs[e]) * sv;
+        }
+      } else if (p.kv_bf16) {
         const uint16_t* ks = static_cast<const uint16_t*>(p.kc) + off;
         const uint16_t* vs = static_cast<const uint16_t*>(p.vc) + off;
         for (int64_t e = 0; e < d; ++e) {

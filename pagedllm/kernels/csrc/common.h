@@ -28,6 +28,50 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, quiet NaN kept
   return static_cast<uint16_t>(u >> 16);
 }
 
+// IEEE half <-> float, round to nearest even (the int8 KV rows' scales; torch's float16 conversion gives the same).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while (!(man & 0x400u));
+    u = sign | (static_cast<uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (a >= 0x38800000u) {  // normal half
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+    return sign | static_cast<uint16_t>(r >> 13);
+  }
+  if (a < 0x33000000u) return sign;  // below half the smallest subnormal (or exactly it: ties to even, 0)
+  // subnormal half: the mantissa with its implicit bit, shifted right with round to nearest even
+  const uint32_t man = (a & 0x7fffffu) | 0x800000u;
+  const int shift = 126 - static_cast<int>(a >> 23);  // 14..24
+  const uint32_t half_ulp = 1u << (shift - 1), rem = man & ((1u << shift) - 1u);
+  uint32_t r = man >> shift;
+  if (rem > half_ulp || (rem == half_ulp && (r & 1u))) ++r;
+  return sign | static_cast<uint16_t>(r);
+}
+
 #if defined(__AVX512F__)
 // 16 bf16 values widened to fp32 (a bf16 is the upper half of an fp32's bits).
 inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }

@@ -101,8 +101,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   TORCH_CHECK(is_f32(q) || is_bf16(q), "q must be float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.sizes() == q.sizes(),
               "out must be a contiguous tensor like q");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (is_f32(k_cache) || is_bf16(k_cache)),
-              "k/v cache must both be float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (is_f32(k_cache) || is_bf16(k_cache) ||
+                                                                  k_cache.scalar_type() == at::ScalarType::Char),
+              "k/v cache must both be float32, bfloat16 or int8 (rows with their scales)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "k/v cache must be contiguous and of the same shape");
   TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
@@ -125,12 +126,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   p.d = q.size(2);
   p.bs = k_cache.size(1);
   p.maxb = block_tables.size(1);
-  TORCH_CHECK(k_cache.size(3) == p.d && p.hq % p.hkv == 0, "head dims / head counts disagree");
+  p.kv_int8 = k_cache.scalar_type() == at::ScalarType::Char;
+  p.kv_head_stride = p.d + (p.kv_int8 ? kScaleBytes : 0);
+  TORCH_CHECK(k_cache.size(3) == p.kv_head_stride && p.hq % p.hkv == 0, "head dims / head counts disagree");
   p.group = p.hq / p.hkv;
   TORCH_CHECK(p.group <= kMaxRows, "query heads per KV head must be <= 64");
   p.q_tok_stride = q.stride(0);
   p.q_head_stride = q.stride(1);
-  p.kv_tok_stride = p.hkv * p.d;
+  p.kv_tok_stride = p.hkv * p.kv_head_stride;
   p.qscale = static_cast<float>(scale) * kLog2e;
   p.q_bf16 = is_bf16(q);
   p.kv_bf16 = is_bf16(k_cache);
