@@ -6,7 +6,6 @@ tests/test_batch_invariance.py.)"""
 
 from __future__ import annotations
 
-import math
 import os
 from types import SimpleNamespace
 
@@ -173,24 +172,12 @@ def smollm2():
 
 @pytest.mark.slow
 def test_perplexity_int8_kv_within_1pct(smollm2):
-    from test_model_smollm2 import BS, TEXT, Greedy
+    from test_model_smollm2 import TEXT, perplexity
 
     # the first 1536 tokens keep it under a minute here (the whole text, 2890 tokens: bf16 KV 26.893, int8 KV
     # 26.919, +0.10%)
     ids = smollm2.tokenizer(open(TEXT, encoding="utf-8").read())["input_ids"][:1536]
-    ppl = {}
-    for kv_dtype in (torch.bfloat16, torch.int8):
-        runner = Greedy(smollm2, num_blocks=-(-len(ids) // BS) + 8, kv_dtype=kv_dtype)
-        seq = {"tokens": ids, "table": [], "done": 0}
-        nll = 0.0
-        while seq["done"] < len(ids):  # chunked prefill of 512 tokens: later chunks read earlier int8 blocks
-            start = seq["done"]
-            count = min(512, len(ids) - start)
-            _, hidden = runner.step([seq], [count])
-            logp = torch.log_softmax(smollm2.model.compute_logits(hidden), -1)
-            targets = torch.tensor(ids[start + 1:start + count + 1])
-            nll -= logp[:len(targets)].gather(1, targets[:, None]).sum().item()
-        ppl[kv_dtype] = math.exp(nll / (len(ids) - 1))
+    ppl = {kv_dtype: perplexity(smollm2, ids, kv_dtype) for kv_dtype in (torch.bfloat16, torch.int8)}
     print(f"\nperplexity over {len(ids)} tokens: bf16 KV {ppl[torch.bfloat16]:.4f}, "
           f"int8 KV {ppl[torch.int8]:.4f}")
     assert abs(ppl[torch.int8] - ppl[torch.bfloat16]) / ppl[torch.bfloat16] < 0.01

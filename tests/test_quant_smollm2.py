@@ -4,11 +4,8 @@ greedy chat answers' agreement (printed; see the bound's comment)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
-from test_model_smollm2 import PROMPTS, TEXT, Greedy, _chat_ids
+from test_model_smollm2 import PROMPTS, TEXT, Greedy, _chat_ids, perplexity
 
 from pagedllm.model import load_model
 from pagedllm.quantization.tensor import QuantTensor, kernel_available
@@ -24,24 +21,11 @@ def models():
     return quant, oracle
 
 
-def _perplexity(loaded, ids: list[int]) -> float:
-    runner = Greedy(loaded, num_blocks=-(-len(ids) // 16) + 8)
-    seq = {"tokens": ids, "table": [], "done": 0}
-    nll = 0.0
-    while seq["done"] < len(ids):
-        start = seq["done"]
-        count = min(512, len(ids) - start)
-        _, hidden = runner.step([seq], [count])
-        logp = torch.log_softmax(loaded.model.compute_logits(hidden), -1)
-        targets = torch.tensor(ids[start + 1:start + count + 1])
-        nll -= logp[:len(targets)].gather(1, targets[:, None]).sum().item()
-    return math.exp(nll / (len(ids) - 1))
-
 
 def test_perplexity_within_one_percent(models):
     quant, oracle = models
     ids = quant.tokenizer(open(TEXT, encoding="utf-8").read())["input_ids"]
-    ppl, ref = _perplexity(quant, ids), _perplexity(oracle, ids)
+    ppl, ref = perplexity(quant, ids), perplexity(oracle, ids)
     print(f"\nperplexity over {len(ids)} tokens: as stored {ppl:.4f}, dequantized {ref:.4f} "
           f"({100 * (ppl - ref) / ref:+.2f}%)")
     assert abs(ppl - ref) / ref < 0.01

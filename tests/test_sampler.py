@@ -10,8 +10,7 @@ from pagedllm.worker.sampler import Sampler, SamplingRow, apply_penalties
 
 
 def row(prompt=(), output=(), seed=None, **kw) -> SamplingRow:
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
-    return SamplingRow(SamplingParams(**kw), list(prompt), list(output), gen)
+    return SamplingRow(SamplingParams(**kw), list(prompt), list(output), seed)
 
 
 def reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:

@@ -110,6 +110,29 @@ def test_preemption_and_parallel_sampling_with_speculation(tiny_dir):
     assert_no_draft_leaks(small)
 
 
+@pytest.mark.parametrize("name", ["ngram", "self_draft", "random_draft"])
+def test_seeded_sampling_gives_the_same_tokens_as_without_speculation(tiny_dir, random_draft_dir, name):
+    """A seeded sample's draw for output position i is a function of (seed, i): with or without speculation (drafts
+    accepted, rejected, k changing), after a preemption, the same request gives the same tokens, not just the
+    same distribution."""
+    prompts = grounded_prompts()
+    params = [SamplingParams(temperature=0.9, top_p=0.95, n=2, seed=40 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def samples(llm) -> list[list[list[int]]]:
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    reference = samples(make_llm(tiny_dir))
+    llm = make_llm(tiny_dir, speculative_config=spec_configs(tiny_dir, random_draft_dir)[name])
+    assert samples(llm) == reference
+    assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
+    small = make_llm(tiny_dir, num_kv_blocks=24, max_num_batched_tokens=64,
+                     speculative_config=spec_configs(tiny_dir, random_draft_dir)[name])
+    assert samples(small) == reference
+    assert small.kv_cache_stats()["num_preemptions"] > 0
+    assert_no_leaks(small)
+
+
 def test_no_speculation_in_large_batches_or_with_k_zero(tiny_dir):
     llm = make_llm(tiny_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                                  "prompt_lookup_min": 1, "disable_by_batch_size": 2})

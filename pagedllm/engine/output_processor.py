@@ -14,8 +14,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -38,7 +36,7 @@ class SampleState:
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    seed: int | None  # the request's seed + this sample's index
     logprobs: list[dict[int, Logprob]] | None = None  # only when the request asked for logprobs
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -130,10 +128,10 @@ class OutputProcessor:
 
     def _add_sample(self, state: RequestState, req: Request) -> SampleState:
         p, index = state.params, len(state.samples)
-        gen = None if p.seed is None else torch.Generator().manual_seed(p.seed + index)
+        seed = None if p.seed is None else p.seed + index
         detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
                                        p.include_stop_str_in_output)
-        sample = SampleState(req, index, detok, gen, [] if p.logprobs is not None else None)
+        sample = SampleState(req, index, detok, seed, [] if p.logprobs is not None else None)
         state.samples.append(sample)
         self._samples[req.request_id] = (state, sample)
         return sample
@@ -189,7 +187,7 @@ class OutputProcessor:
                 drafts = s.draft_token_ids if smp is sample else []
                 for j in range(len(drafts) + 1):
                     plan.rows.append(SamplingRow(state.params, state.prompt_token_ids,
-                                                 out_ids + drafts[:j] if j else out_ids, smp.generator))
+                                                 out_ids + drafts[:j] if j else out_ids, smp.seed))
                     plan.logit_rows.append(logit_row + j)
                 plan.samples.append((state, smp, drafts))
             logit_row += s.num_logits

@@ -5,6 +5,8 @@ slots of rejected drafts back (`Scheduler.accept_draft_tokens`).
 
 Proposers are deterministic (one guess per position), so verification by sampling each position from the target's
 own distribution is exact rejection sampling: the output follows the same distribution as without speculation.
+A seeded sample draws the uniform of position i as a function of (seed, i) (worker/sampler.seeded_uniform), so it
+gives the same tokens with or without speculation, not only the same distribution.
 
 Adaptive, per request: k grows while whole drafts are accepted and shrinks when they fail; a request whose drafts
 keep failing pauses speculation for a growing number of steps. Nobody speculates while more than

@@ -1,7 +1,7 @@
 """Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-Every step is a tensor op over the whole batch; the only per-row Python is drawing the uniform of rows
-that carry their own seed (one generator call per row, never a loop over the vocabulary). Temperature, min-p,
+Every step is a tensor op over the whole batch; the only per-row Python is the uniform of rows that carry their
+own seed (a few integer operations per row, never a loop over the vocabulary). Temperature, min-p,
 top-k, top-p and the draw run in the C++ sampler (kernels/csrc/sampler.cpp: a radix select on the probabilities instead of
 a sort, so a wide top-p nucleus costs the same as a narrow one), or, where it is not built, in torch by sorting.
 """
@@ -22,7 +22,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None  # set when the request has a seed
+    seed: int | None  # the sample's own seed (the request's seed + sample index), when it has one
 
 
 @dataclass
@@ -130,6 +130,25 @@ def apply_logit_rules(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return logits
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) a seeded sample draws for its output token number `position`. A function of the pair,
+    not the state of a generator: the token at a position does not depend on how the request's tokens were grouped
+    into steps (speculative drafts verified and rejected, a preemption and its recompute), so a seeded request
+    gives the same text with or without speculation."""
+    z = _mix64((_mix64(seed & _MASK64) + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64)
+    return (z >> 11) * 2.0 ** -53
+
+
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row picks the token whose cumulative mass first exceeds it.
     (One cumsum and one search per row: torch.multinomial and exponential noise do more work per row over a
@@ -158,11 +177,11 @@ class Sampler:
         self.use_kernel = use_kernel
 
     def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
-        """One uniform per row; a row with its own seed draws from its own generator only."""
+        """One uniform per row: the sampler's generator, or for a seeded row seeded_uniform(seed, position)."""
         u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
         for i, r in enumerate(rows):
-            if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
+            if r.seed is not None:
+                u[i] = seeded_uniform(r.seed, len(r.output_token_ids))
         return u
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
