@@ -24,7 +24,7 @@ def models():
 
 def test_perplexity_within_one_percent(models):
     quant, oracle = models
-    ids = quant.tokenizer(open(TEXT, encoding="utf-8").read())["input_ids"]
+    ids = quant.tokenizer(open(TEXT, encoding="utf-8").read())["input_ids"][:1536]  # ~half the text: CI time
     ppl, ref = perplexity(quant, ids), perplexity(oracle, ids)
     print(f"\nperplexity over {len(ids)} tokens: as stored {ppl:.4f}, dequantized {ref:.4f} "
           f"({100 * (ppl - ref) / ref:+.2f}%)")
