@@ -175,7 +175,7 @@ def test_perplexity_int8_kv_within_1pct(smollm2):
     from test_model_smollm2 import TEXT, perplexity
 
     # the first 1536 tokens keep it under a minute here (the whole text, 2890 tokens: bf16 KV 26.893, int8 KV
-    # 26.919, +0.10%)
+    # 26.899, +0.02%)
     ids = smollm2.tokenizer(open(TEXT, encoding="utf-8").read())["input_ids"][:1536]
     ppl = {kv_dtype: perplexity(smollm2, ids, kv_dtype) for kv_dtype in (torch.bfloat16, torch.int8)}
     print(f"\nperplexity over {len(ids)} tokens: bf16 KV {ppl[torch.bfloat16]:.4f}, "
@@ -215,7 +215,8 @@ def test_greedy_chat_changes_are_near_ties(smollm2):
             changed.append((p, i, a["gaps"][i]))
     print(f"\n{len(changed)} of {len(CHAT)} greedy answers change with int8 KV: "
           + ", ".join(f"{p!r} at token {i} (bf16 top-2 gap {gap:.3f})" for p, i, gap in changed))
-    # how many change is reported, not bounded: bf16 logits tie exactly (gap 0.0) often enough that rounding
-    # anywhere decides; what must hold is that every change starts at such a near tie
+    # The bf16 model's logits are bf16 (spacing 0.125 between 16 and 32): exact ties are common and any KV
+    # perturbation flips them, so the count is reported, not bounded; every flip must be at a near tie.
+    assert len(changed) < len(CHAT)
     for p, i, gap in changed:
         assert gap < 0.5, (p, i, gap)
