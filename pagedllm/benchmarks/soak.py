@@ -69,9 +69,10 @@ def _chat(rng: random.Random, **extra) -> bytes:
                        "max_tokens": rng.randint(1, 12), **extra}).encode()
 
 
+# (unknown fields such as {"frobnicate": 1} and a logit_bias of known token ids are valid: accepted, as vLLM does)
 _BAD_PARAMS = [{"temperature": "NaN"}, {"temperature": "Infinity"}, {"repetition_penalty": "-Infinity"},
-               {"top_p": 2.0}, {"n": 0}, {"max_tokens": -1}, {"logit_bias": {"5": 1}}, {"frobnicate": 1},
-               {"seed": 2**70}, {"top_k": -5}, {"logprobs": 99}, {"stop": [""]}]
+               {"top_p": 2.0}, {"n": 0}, {"max_tokens": -1}, {"logit_bias": {"five": 1}},
+               {"logit_bias": {"10000000": 1}}, {"seed": 2**70}, {"top_k": -5}, {"logprobs": 99}, {"stop": [""]}]
 _SURROGATE_BODIES = [b'{"prompt": "a\\ud800b", "max_tokens": 2}', b'{"prompt": "x", "model": "\\udfff"}',
                      b'{"prompt": ["ok", "\\ud83d"], "max_tokens": 2}']
 
