@@ -16,71 +16,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, Tracked
 from pagedllm.metrics import EngineMetrics, StatsLogger
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (never started, shut down, or crashed)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while processing this request; other requests go on."""
-
-
-@dataclass
-class _Tracked:
-    """Loop-thread bookkeeping of one request. It holds the stream's queue, not the stream itself, so that a
-    stream dropped by its consumer gets collected (and aborted, see RequestStream.__del__)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float
-    num_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    counted_prompt: bool = False
-
-
-@dataclass
-class RequestStream:
-    """The outputs of one request, consumed by one asyncio task. Outputs are cumulative, so when the consumer
-    lags behind, it skips straight to the newest one."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future | None = None
-    finished: bool = False
-    on_abandon: Callable[[str], None] | None = None
-
-    def __del__(self) -> None:
-        # Safety net: a consumer that never iterated (e.g. a client gone before the response started).
-        if not self.finished and self.on_abandon is not None:
-            with contextlib.suppress(Exception):
-                self.on_abandon(self.request_id)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        while not isinstance(item, BaseException) and not item.finished and not self.queue.empty():
-            item = self.queue.get_nowait()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
@@ -108,7 +51,7 @@ class AsyncEngine:
         self._token_totals = [0, 0]  # prompt, generation tokens (for the stats line)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._tracked: dict[str, _Tracked] = {}  # loop thread only
+        self._tracked: dict[str, Tracked] = {}  # loop thread only
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()  # guards _closed against commands posted while the loop exits
@@ -327,7 +270,7 @@ class AsyncEngine:
                 del self._tracked[out.request_id]
         return bool(outputs)
 
-    def _record(self, t: _Tracked, out: RequestOutput, now: float) -> None:
+    def _record(self, t: Tracked, out: RequestOutput, now: float) -> None:
         m = self.metrics
         if not t.counted_prompt:
             t.counted_prompt = True
@@ -369,7 +312,7 @@ class AsyncEngine:
             logger.info("Added request %s: prompt %d tokens, params %s%s", rid,
                         len(state.prompt_token_ids) if state is not None else -1, params,
                         f", prompt {prompt!r}" if self.log_prompts else "")
-        self._tracked[rid] = _Tracked(stream.loop, stream.queue, arrival)
+        self._tracked[rid] = Tracked(stream.loop, stream.queue, arrival)
         stream.loop.call_soon_threadsafe(_set_result, stream.accepted, None)
 
     def _do_abort(self, request_id: str) -> None:
