@@ -197,7 +197,9 @@ def test_shutdown_deadline_ends_streams_with_error_and_done(engine, monkeypatch)
         p = threading.Thread(target=lambda: plain.update(r=live.post(
             "/v1/completions", {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True})))
         p.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60  # both requests in the engine before the shutdown (a loaded machine is slow)
+        while len(engine._tracked) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         live.server.should_exit = True
         t.join(30)
         p.join(30)
