@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.serving import engine_error
 
 if TYPE_CHECKING:  # Ray is an extra
     from pagedllm.distributed.client import DataParallelEngine
@@ -31,4 +32,6 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine | DataParallelEngine) -> Non
             snap = await engine.kv_snapshot(replica)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="replica") from None
+        except EngineDeadError as e:  # (a data-parallel replica down or restarting: 503, not 500)
+            raise engine_error(e) from None
         return JSONResponse(snap, headers={"Cache-Control": "no-store"})
