@@ -36,6 +36,12 @@ class KVBlock:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
+# The placeholder a sliding-window group's block table holds where a block fell out of the window and went back to
+# the pool. Not a pool block (touching or freeing it raises); its id 0 is a valid index that no kernel reads (the
+# window starts past it), so block tables stay rectangular int32 arrays.
+NULL_BLOCK = KVBlock(0)
+
+
 class FreeBlockQueue:
     """Doubly linked list threaded through the blocks themselves: O(1) popleft, append and remove
     from the middle (a cache hit on a free block takes it out wherever it is). Two sentinels avoid

@@ -78,7 +78,7 @@ class Scheduler:
         """Tokens one request can hold with the whole cache to itself."""
         if self.kv.kv_layout == "contiguous":
             return self.config.max_model_len
-        return self.kv.num_blocks * self.kv.block_size
+        return self.kv.capacity_tokens(self.config.max_num_batched_tokens, self.config.max_model_len)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Reject at add time what could never run (instead of letting it wait, or stall the queue, forever).
