@@ -71,9 +71,10 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     pool = torch.zeros(layout.group_size if layout else cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                        row_elems(cfg.head_dim, dtype), dtype=dtype)
     per_block = kv_bytes_per_block(cfg, block_size, dtype, pool.shape[0])
-    logger.info("KV cache: %d blocks of %d tokens x %d layers (%d KV groups) (%.1f MiB, %s, %d bytes per token)",
-                num_blocks, block_size, pool.shape[0], layout.num_groups if layout else 1,
-                num_blocks * per_block / 2**20, str(dtype).replace("torch.", ""), per_block // block_size)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%d KV groups of %d layers; %.1f MiB, %s, "
+                "%d bytes per token of a group)", num_blocks, block_size, num_blocks * block_size,
+                layout.num_groups if layout else 1, pool.shape[0], num_blocks * per_block / 2**20,
+                str(dtype).replace("torch.", ""), per_block // block_size)
     caches = KVCacheList((pool[p, 0], pool[p, 1]) for _, p in where)
     caches.pool = pool
     caches.layer_group = [g for g, _ in where]
