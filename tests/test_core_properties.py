@@ -80,6 +80,13 @@ class KVCoreMachine(RuleBasedStateMachine):
         return [[None if b is NULL_BLOCK else b.block_id for b in g._requests[r.request_id].blocks]
                 for g in self.groups]
 
+    def _num_hits(self, hits) -> int:
+        """Blocks of a lookup's hit (a hybrid manager gives one list per group, all as long)."""
+        if hits and isinstance(self.m, HybridKVCacheManager):
+            assert len({len(h) for h in hits}) == 1
+            return len(hits[0])
+        return len(hits or ())
+
     def _write(self, r: Request, t: int, token: int) -> None:
         for table in self._tables(r):  # the worker writes every layer, i.e. every group's block
             self.memory[table[t // self.B]][t % self.B] = token
@@ -89,7 +96,7 @@ class KVCoreMachine(RuleBasedStateMachine):
 
     def _allocate(self, r: Request, n: int, hits=None, reserve: int = 0) -> bool:
         before = self._snapshot()
-        start = r.num_computed_tokens + len((hits[0] if self.groups != [self.m] else hits) or ()) * self.B
+        start = r.num_computed_tokens + self._num_hits(hits) * self.B
         copies = self.m.allocate_slots(r, n, hits, num_reserved_blocks=reserve)
         if copies is None:  # (a sliding window gives back its dead blocks even then)
             assert self.windowed or self._snapshot() == before, "a failed allocation changed the pool"
@@ -113,7 +120,7 @@ class KVCoreMachine(RuleBasedStateMachine):
     def admit(self, prefix, tail, chunk, reserve, salt) -> None:
         r = Request(self._new_id(), (prefix + tail)[: self.max_len - 1], cache_salt=salt)
         hits, n_cached = self.m.get_computed_blocks(r)
-        assert n_cached == len(hits[0] if self.groups != [self.m] else hits) * self.B < r.num_tokens
+        assert n_cached == self._num_hits(hits) * self.B < r.num_tokens
         if self._allocate(r, min(chunk, r.num_tokens - n_cached), hits, reserve):
             r.num_computed_tokens = n_cached  # what the scheduler does after a successful admission
             self.live.append(r)

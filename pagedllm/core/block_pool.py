@@ -204,3 +204,23 @@ class BlockPool:
         for b in blocks:
             if not (0 <= b.block_id < self.num_blocks and own[b.block_id] is b):
                 raise BlockPoolError(f"{b!r} does not belong to this pool")
+
+
+class PoolUsage:
+    """What a KV cache manager (plain or hybrid) answers from its block pool alone."""
+
+    block_pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks()
+
+    def num_used_blocks(self) -> int:
+        return self.block_pool.num_blocks - self.block_pool.num_free_blocks()
+
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref_cnt > 0); free cached blocks count as free."""
+        return self.num_used_blocks() / self.block_pool.num_blocks

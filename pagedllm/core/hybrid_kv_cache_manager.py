@@ -11,15 +11,15 @@ The public methods are KVCacheManager's, so the scheduler and the engine use eit
 
 from __future__ import annotations
 
-from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core.block_pool import BlockPool, KVBlock, PoolUsage
 from pagedllm.core.kv_cache_errors import NegativeTokenCountError
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_groups import KVGroupLayout, capacity_tokens
+from pagedllm.core.kv_groups import KVGroupLayout, capacity_tokens, request_blocks
 from pagedllm.core.prefix_lookup import lookup_prefix
 from pagedllm.core.request import Request
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolUsage):
     kv_layout = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, layout: KVGroupLayout, *,
@@ -32,9 +32,8 @@ class HybridKVCacheManager:
                                       window=g.window, block_pool=self.block_pool, group_id=i)
                        for i, g in enumerate(layout.groups)]
 
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
+    def request_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        return request_blocks(self.layout.windows, self.block_size, num_tokens, step_tokens)
 
     def capacity_tokens(self, step_tokens: int, limit: int) -> int:
         return capacity_tokens(self.layout.windows, self.block_size, self.num_blocks, step_tokens, limit)
@@ -97,15 +96,6 @@ class HybridKVCacheManager:
 
     def get_group_block_ids(self, request: Request) -> list[list[int]]:
         return [g.get_block_ids(request) for g in self.groups]
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks()
-
-    def num_used_blocks(self) -> int:
-        return self.block_pool.num_blocks - self.block_pool.num_free_blocks()
-
-    def usage(self) -> float:
-        return self.num_used_blocks() / self.block_pool.num_blocks
 
     @property
     def used_slots(self) -> int:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVBlock
+from pagedllm.core import prefix_lookup as lookup
+from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVBlock, PoolUsage
 from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers catch them from here)
     ContextTooLongError,
     DoubleFreeError,
@@ -39,9 +40,8 @@ from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers
     RequestExistsError,
     UnknownRequestError,
 )
-from pagedllm.core.kv_groups import capacity_tokens
-from pagedllm.core.kv_cache_utils import block_extra_keys, cdiv, hash_block_tokens, hash_request_blocks
-from pagedllm.core.prefix_lookup import GroupKey, first_needed_block, group_tag, lookup_prefix
+from pagedllm.core.kv_cache_utils import cdiv
+from pagedllm.core.kv_groups import capacity_tokens, request_blocks
 from pagedllm.core.request import Request
 
 _NO_BLOCKS: list[KVBlock] = []  # shared empty table; never mutated
@@ -76,7 +76,7 @@ class _Plan:
 _FREED_MEMORY = 4096  # recently freed ids kept to tell "freed twice" from "never seen"
 
 
-class KVCacheManager:
+class KVCacheManager(PoolUsage):
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  kv_layout: str = "paged", max_model_len: int | None = None, window: int | None = None,
                  block_pool: BlockPool | None = None, group_id: int = 0) -> None:
@@ -99,7 +99,7 @@ class KVCacheManager:
         self.window = window
         self.block_pool = block_pool or BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         num_blocks = self.block_pool.num_blocks
-        self._key = GroupKey(group_tag(group_id), window)
+        self._key = lookup.GroupKey(lookup.group_tag(group_id), window)
         self.num_held_blocks = 0  # blocks in use by this manager's tables (each counted once)
         self._blocks_per_reservation = cdiv(max_model_len, block_size) if kv_layout == "contiguous" else 0
         self._requests: dict[str, _RequestBlocks] = {}
@@ -115,9 +115,9 @@ class KVCacheManager:
         self.prefix_cache_block_queries = 0
         self.prefix_cache_block_hits = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
+    def request_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """Blocks a request of num_tokens holds at most (step_tokens new tokens per step)."""
+        return request_blocks([self.window], self.block_size, num_tokens, step_tokens)
 
     def capacity_tokens(self, step_tokens: int, limit: int) -> int:
         """Tokens one request can hold with the whole cache to itself (step_tokens new tokens per step; at most
@@ -132,7 +132,7 @@ class KVCacheManager:
         the next token may read, NULL_BLOCK before), never covering the last token. Changes no ref counts."""
         if not self.enable_prefix_caching:
             return [], 0
-        (blocks,), num_hit, hashes = lookup_prefix(self.block_pool, request, self.block_size, [self._key])
+        (blocks,), num_hit, hashes = lookup.lookup_prefix(self.block_pool, request, self.block_size, [self._key])
         self.set_lookup_memo(request, hashes)
         return blocks, num_hit * self.block_size
 
@@ -207,7 +207,7 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if self.window is None or state is None:
             return
-        end = min(first_needed_block(request.num_computed_tokens, self.window, self.block_size), len(state.blocks))
+        end = min(lookup.first_needed_block(request.num_computed_tokens, self.window, self.block_size), len(state.blocks))
         if end <= state.num_null:
             return
         blocks = state.blocks
@@ -306,22 +306,7 @@ class KVCacheManager:
         if state is not None:
             raise InvalidComputedBlocksError(
                 f"new_computed_blocks are only accepted at a request's first allocation ({rid!r} has blocks)")
-        B = self.block_size
-        if len(ncb) * B > request.num_tokens:
-            raise InvalidComputedBlocksError(
-                f"{len(ncb)} computed blocks cover more than the {request.num_tokens} tokens of {rid!r}")
-        hashes = hash_request_blocks(request.all_token_ids[:len(ncb) * B], B, request.cache_salt,
-                                     start_hashes=known_hashes[:len(ncb)])
-        pool_blocks = self.block_pool.blocks
-        for i, b in enumerate(ncb):
-            if b is NULL_BLOCK:  # a sliding window's placeholder (prefix_lookup.py)
-                continue
-            if not (0 <= b.block_id < len(pool_blocks) and pool_blocks[b.block_id] is b):
-                raise InvalidComputedBlocksError(f"{b!r} does not belong to this pool")
-            if b.block_hash != hashes[i] + self._key.tag:
-                raise InvalidComputedBlocksError(
-                    f"computed block {i} of {rid!r} ({b!r}) no longer holds this prefix (evicted since lookup?)")
-        return hashes
+        return lookup.check_hit_blocks(self.block_pool, request, ncb, known_hashes, self.block_size, self._key.tag)
 
     def _register_full_blocks(self, request: Request, state: _RequestBlocks, total: int,
                               known_hashes: list[bytes]) -> None:
@@ -332,13 +317,7 @@ class KVCacheManager:
             return
         if self.enable_prefix_caching:
             hashes = state.block_hashes  # one per full block; extended in place (fork copies the list)
-            reuse = known_hashes if known_hashes is not hashes else ()  # hashed by the lookup already
-            tokens, salt = request.all_token_ids, request.cache_salt
-            parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), n_full):  # only the new blocks: no O(sequence) work per step
-                parent = reuse[i] if i < len(reuse) else hash_block_tokens(
-                    parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, salt))
-                hashes.append(parent)
+            lookup.extend_block_hashes(request, hashes, n_full, B, known_hashes if known_hashes is not hashes else ())
             cache = self.block_pool.cache_full_block
             blocks = state.blocks
             tag = self._key.tag
@@ -437,16 +416,6 @@ class KVCacheManager:
         if state is None:
             raise self._unknown(request.request_id, "get the blocks of")
         return [b.block_id for b in state.blocks]
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks()
-
-    def num_used_blocks(self) -> int:
-        return self.block_pool.num_blocks - self.block_pool.num_free_blocks()
-
-    def usage(self) -> float:
-        """Fraction of blocks in use (ref_cnt > 0); free cached blocks count as free."""
-        return self.num_used_blocks() / self.block_pool.num_blocks
 
     def stats(self) -> dict:
         """used_slots: token slots holding a token (num_computed_tokens + tokens allocated this step) in the

