@@ -186,3 +186,15 @@ def test_kv_map_snapshot_paints_every_group(arch_dir):
     assert req["num_blocks"] == engine.kv.num_used_blocks() == sum(c == 0 for c in snap["cells"])
     llm.engine.abort_request("a")
     assert_no_leaks(llm)
+
+
+def test_speculative_decoding_rolls_back_every_group(arch_dir):
+    """ngram drafts are written into every group's blocks and the rejected ones rolled back (truncate per group);
+    greedy tokens stay those of plain decoding."""
+    _, path = arch_dir
+    prompts = prompts_of(4, seed=12, lo=20, hi=40)
+    reference = tokens(make_llm(path).generate(prompts, LONG, use_tqdm=False))
+    llm = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert tokens(llm.generate(prompts, LONG, use_tqdm=False)) == reference
+    assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
+    assert_no_leaks(llm)
