@@ -46,6 +46,19 @@ class QuantizedLinearMethod(LinearMethod):
             load_dense(dense, tensor, name)
             layer.segments[shard] = dense
 
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Neighbouring shards packed in one type become one matrix (q|k|v, gate|up: one kernel call, one
+        quantization of the activations): a packed matrix is whole 16-row groups, so joining is concatenation."""
+        merged: list[Segment] = []
+        for seg in layer.segments:
+            prev = merged[-1] if merged else None
+            if isinstance(seg, QuantTensor) and seg.is_packed and isinstance(prev, QuantTensor) \
+                    and prev.qtype == seg.qtype:
+                merged[-1] = QuantTensor(torch.cat([prev.data, seg.data]), seg.qtype, seg.cols)
+            else:
+                merged.append(seg)
+        layer.segments = merged
+
     def fused_segments(self, layer: Linear) -> tuple[list[torch.Tensor], list[int]]:
         """The fused decoder-layer op's view of the weight: segment tensors and their ggml types (0: dense)."""
         segs = layer.segments

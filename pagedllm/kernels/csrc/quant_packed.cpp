@@ -136,6 +136,32 @@ struct Acts {
   std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
 };
 
+// One 32-block: codes round(v * 127 / amax) (half to even), returns their sum; *d = amax / 127.
+inline int quantize_block(const float* v, int8_t* a, float* d) {
+#if QP_VNNI
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
+  *d = amax / 127.f;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int q = static_cast<int>(std::nearbyint(v[i] * inv));  // the default rounding: half to even
+    a[i] = static_cast<int8_t>(q);
+    sum += q;
+  }
+  *d = amax / 127.f;
+  return sum;
+#endif
+}
+
 void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) {
   acts.K = K;
   acts.a.reset(new int8_t[M * K]);
@@ -145,21 +171,13 @@ void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) 
     float v[32];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k = 0; k < K; k += 32) {
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) {
-          const int64_t at = m * K + k + i;
-          v[i] = x_f32 ? static_cast<const float*>(x)[at] : bf16_to_f32(static_cast<const uint16_t*>(x)[at]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int q = static_cast<int>(std::nearbyint(v[i] * inv));
-          acts.a[m * K + k + i] = static_cast<int8_t>(q);
-          sum += q;
-        }
-        const float d = amax / 127.f;
-        acts.d[(m * K + k) / 32] = d, acts.ds[(m * K + k) / 32] = d * static_cast<float>(sum);
+        const int64_t at = m * K + k;
+        const float* block = x_f32 ? static_cast<const float*>(x) + at : v;
+        if (!x_f32)
+          for (int i = 0; i < 32; ++i) v[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
+        float d;
+        const int sum = quantize_block(block, acts.a.get() + at, &d);
+        acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sum);
       }
   });
 }
