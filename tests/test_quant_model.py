@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.attention import build_attention_metadata
 from pagedllm.benchmarks.gguf_writer import FILE_TYPES, tiny_shape, write_random_gguf
+from pagedllm.kernels import kernel_mode
 from pagedllm.model import allocate_kv_caches, load_model
 from pagedllm.model.linear import Linear
 from pagedllm.model.quantized_linear import QuantizedLinearMethod, weight_bytes
@@ -103,19 +104,26 @@ def test_unknown_quantization_is_rejected(gguf_dir):
         _load(_file(gguf_dir, "Q8_0"), "fp4")
 
 
-def test_fused_layer_matches_torch_layers(gguf_dir):
-    """The fused C++ decoder layer on quantized segments (bf16, C++ attention) against the same model's torch
-    layers: same kernels for the linears, so close to bf16 rounding."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
+    """The fused C++ decoder layer on quantized segments (C++ attention) against the same model's torch layers:
+    same kernels for the linears, so close to the dtype's rounding (and the int8 activations' re-rounding)."""
+    from pagedllm.kernels import kernel_op
     from pagedllm.model.layers import bf16_kernel_op
 
-    if bf16_kernel_op("decoder_layer_quant") is None:
+    if dtype == torch.bfloat16 and bf16_kernel_op("decoder_layer_quant") is None:
         pytest.skip("no avx512_bf16 fused layer on this CPU")
+    if dtype == torch.float32 and not kernel_op("decoder_layer_f32_available")():
+        pytest.skip("no AVX-512 fused layer on this CPU")
     path = _file(gguf_dir, "Q4_K_M")
-    m = load_model(path, "bfloat16", attention_backend="cpu", load_tokenizer=False, quantization="auto")
+    m = load_model(path, dtype, attention_backend="cpu", load_tokenizer=False, quantization="auto")
     assert m.model.layers[0].fused_op_name() == "decoder_layer_quant"
     tokens = list(range(11, 40))
-    fused = _prefill_logits(m, tokens, torch.bfloat16)
-    m.model.fused_layers = False
-    plain = _prefill_logits(m, tokens, torch.bfloat16)
+    with kernel_mode(dtype == torch.float32):  # the fp32 layer also runs batch-invariant; the bf16 one does not
+        h = torch.empty(len(tokens), m.config.hidden_size, dtype=dtype)
+        assert m.model._fused_layer_op(h, allocate_kv_caches(m.config, 16, dtype, num_blocks=4)) is not None
+        fused = _prefill_logits(m, tokens, dtype)
+        m.model.fused_layers = False
+        plain = _prefill_logits(m, tokens, dtype)
     assert float((fused - plain).abs().max() / plain.abs().max()) < 0.02
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9

@@ -5,6 +5,7 @@ greedy chat answers' agreement (printed; see the bound's comment)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_model_smollm2 import PROMPTS, TEXT, Greedy, _chat_ids, perplexity
 
 from pagedllm.model import load_model
@@ -45,17 +46,34 @@ def _greedy(loaded, prompt: list[int], max_tokens: int = 48) -> list[int]:
     return out
 
 
+def _forced_logits(loaded, tokens: list[int], start: int):
+    """Logits after each of tokens[start - 1:-1] (teacher forcing: one prefill of the whole sequence)."""
+    runner = Greedy(loaded)
+    _, hidden = runner.step([{"tokens": tokens, "table": [], "done": 0}], [len(tokens)])
+    return loaded.model.compute_logits(hidden[start - 1:-1]).double()
+
+
 def test_greedy_chat_answers_mostly_unchanged(models):
+    """Free-running greedy answers diverge at the first flipped near-tie (the int8 activations are re-rounded at
+    every layer, so where the answers part is close to chance: reported, not asserted). The kernel's quality is
+    what teacher forcing sees: along the oracle's answer, the quantized model picks the same token almost
+    everywhere, and where it does not the oracle itself found the two close."""
     quant, oracle = models
-    same, agree, total = 0, 0, 0
+    same, agree, total, forced, gaps = 0, 0, 0, 0, []
     for p in PROMPTS:
         ids = _chat_ids(quant.tokenizer, p)
         a, b = _greedy(quant, ids), _greedy(oracle, ids)
         same += a == b
         prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         agree, total = agree + prefix, total + len(b)
+        got, want = _forced_logits(quant, ids + b, len(ids)), _forced_logits(oracle, ids + b, len(ids))
+        picks = got.argmax(-1)
+        forced += int((picks == torch.tensor(b)).sum())
+        for i in torch.nonzero(picks != torch.tensor(b)).flatten().tolist():
+            gaps.append(float(want[i, b[i]] - want[i, picks[i]]))  # how much the oracle preferred its token
     print(f"\ngreedy chat answers identical: {same}/{len(PROMPTS)}; tokens before the first difference: "
-          f"{agree}/{total}")
-    # Measured here: 1/4 answers identical, 52/108 tokens before the first difference (the int8 activation
-    # rounding flips near-tied greedy choices of this small model); a broken kernel agrees on almost nothing.
-    assert same >= 1 and agree >= total // 3
+          f"{agree}/{total}; teacher-forced top-1 agreement {forced}/{total}, oracle logit gaps where they "
+          f"differ: {[round(g, 2) for g in gaps]}")
+    # measured: 99/108 agree, gaps <= 0.11 logits; a broken kernel agrees on almost nothing
+    assert forced >= 0.85 * total
+    assert all(g < 0.5 for g in gaps)

@@ -45,13 +45,9 @@ def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
 
 
 def _gguf_defaults(path: str) -> dict[str, Any]:
-    import gguf
+    # our own reader: gguf's GGUFReader parses every field, seconds on a tokenizer's vocabulary
+    from pagedllm.model.gguf_loader import read_gguf
 
-    reader = gguf.GGUFReader(path)
-    found = {}
-    for key, field in _GGUF_KEYS.items():
-        f = reader.fields.get(key)
-        if f is not None:
-            value = f.parts[f.data[0]][0].item()
-            found[field] = int(value) if field == "top_k" else float(value)
-    return found
+    metadata = read_gguf(path).metadata
+    return {field: int(metadata[key]) if field == "top_k" else float(metadata[key])
+            for key, field in _GGUF_KEYS.items() if key in metadata}

@@ -3,6 +3,7 @@ config from the metadata, vectorised dequantisation, and Q/K un-permuted back in
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -260,3 +261,18 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
             w = w.rows(_unpermute(torch.arange(w.shape[0]), heads)) if isinstance(w, QuantTensor) \
                 else _unpermute(w, heads)
         yield name, w
+        if as_stored:  # the model holds its own (packed) copy by now: drop the file's pages from our RSS
+            _release_pages(f.blob, info.offset, _nbytes(info))
+
+
+def _release_pages(blob: np.ndarray, offset: int, nbytes: int) -> None:
+    """MADV_DONTNEED over the whole pages of blob[offset:offset + nbytes] (a read-only file mapping: a later read
+    of a weight still kept as a view of the file faults its page back in from the page cache)."""
+    mm = getattr(blob, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mm is None or advice is None:
+        return
+    page = mmap.PAGESIZE
+    start, end = -(-offset // page) * page, (offset + nbytes) // page * page
+    if end > start:
+        mm.madvise(advice, start, end - start)

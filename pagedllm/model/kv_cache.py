@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -59,7 +61,9 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     KV dtype: the compute dtype, or torch.int8 for int8 rows of head_dim + 2 bytes, see resolve_kv_dtype).
 
     layout: the KV groups (None: one group of every layer). All pools are views of one allocation. Zero-filled:
-    padded reads of never-written slots must be finite (masked attention weights are 0, but 0 * NaN is NaN).
+    padded reads of never-written slots must be finite (masked attention weights are 0, but 0 * NaN is NaN). The
+    allocation is an anonymous mapping, so the OS zero-fills each page when it is first touched: the pool is
+    resident only for the blocks requests have used.
     """
     if num_blocks is None:
         if budget_bytes is None:
@@ -68,8 +72,8 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     where = [layout.position(i) if layout else (0, i) for i in range(cfg.num_layers)]
-    pool = torch.zeros(layout.group_size if layout else cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                       row_elems(cfg.head_dim, dtype), dtype=dtype)
+    pool = _zeroed_on_touch((layout.group_size if layout else cfg.num_layers, 2, num_blocks, block_size,
+                             cfg.num_kv_heads, row_elems(cfg.head_dim, dtype)), dtype)
     per_block = kv_bytes_per_block(cfg, block_size, dtype, pool.shape[0])
     logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%d KV groups of %d layers; %.1f MiB, %s, "
                 "%d bytes per token of a group)", num_blocks, block_size, num_blocks * block_size,
@@ -79,3 +83,11 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     caches.pool = pool
     caches.layer_group = [g for g, _ in where]
     return caches
+
+
+def _zeroed_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor over an anonymous memory mapping (pages mapped, zeroed, on first touch; the tensor keeps the
+    mapping alive)."""
+    numel = math.prod(shape)
+    buf = mmap.mmap(-1, max(1, numel * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)

@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.attention.metadata import per_layer
-from pagedllm.kernels import batch_invariant
+from pagedllm.kernels import batch_invariant, kernel_op
 from pagedllm.model import registry
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
         dispatch) and ~20% of a prefill (their passes over fp32 temporaries)."""
         c = self.attn.cfg
         op(h, *self._fused_weights(), cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
-           meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale)
+           meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale,
+           int(batch_invariant()) << 1)  # paged_attention's impl bits
 
     def fused_op_name(self) -> str:
         """decoder_layer_bf16 for dense weights; decoder_layer_quant where a linear keeps weight segments (the
@@ -95,11 +96,17 @@ class LlamaForCausalLM(CausalLM):
         return self.norm(h)
 
     def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
-        """The fused decoder-layer op when this model and batch can use it (a capable architecture and config,
-        bf16 weights and KV, the C++ attention kernel as backend, a CPU with avx512_bf16), else None."""
-        # (not in batch-invariant mode: the fused layer's GEMMs switch kernels with the row count)
-        if not (self.fused_layers and self._fused_capable and not batch_invariant() and h.dtype == torch.bfloat16
-                and h.shape[0] > 0 and kv_caches and kv_caches[0][0].dtype == torch.bfloat16
-                and getattr(self.attn_backend, "runs_fused_layers", False)):
+        """The fused decoder-layer op when this model and batch can use it (a capable architecture and config, the
+        C++ attention kernel as backend, KV of the compute dtype), else None: bf16 on a CPU with avx512_bf16 (not
+        in batch-invariant mode: its dense GEMMs switch kernels with the row count), or fp32 with quantized
+        weights (batch-invariant as they are)."""
+        if not (self.fused_layers and self._fused_capable and h.shape[0] > 0 and kv_caches
+                and kv_caches[0][0].dtype == h.dtype and getattr(self.attn_backend, "runs_fused_layers", False)):
             return None
-        return bf16_kernel_op(self.layers[0].fused_op_name())
+        name = self.layers[0].fused_op_name()
+        if h.dtype == torch.bfloat16 and not batch_invariant():
+            return bf16_kernel_op(name)
+        if h.dtype == torch.float32 and name == "decoder_layer_quant":
+            available = kernel_op("decoder_layer_f32_available")
+            return kernel_op(name) if available is not None and available() else None
+        return None

@@ -1,4 +1,5 @@
-"""The quantized LinearMethod: a Linear's weight kept as its checkpoint shards in stored block form.
+"""The quantized LinearMethod: a Linear's weight kept as its checkpoint shards in stored block form (repacked
+into the kernel's 16-row groups where the type has that form: the same bytes, another order).
 
 A fused Linear (q|k|v, gate|up) holds one segment per checkpoint tensor, each in its own ggml type (a Q4_K_M file
 stores attn_v as Q6_K next to Q4_K q/k): `apply` runs the quantized GEMM once per segment into that segment's
@@ -37,13 +38,26 @@ class QuantizedLinearMethod(LinearMethod):
         if tuple(tensor.shape) != want:
             raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config ({want})")
         if isinstance(tensor, QuantTensor):
-            layer.segments[shard] = tensor
+            layer.segments[shard] = tensor.packed()
         elif self.quantize_floats and tensor.shape[1] % 32 == 0:
-            layer.segments[shard] = quantize_q8_0(tensor)
+            layer.segments[shard] = quantize_q8_0(tensor).packed()
         else:
             dense = torch.empty(want, dtype=layer.compute_dtype)
             load_dense(dense, tensor, name)
             layer.segments[shard] = dense
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Neighbouring shards packed in one type become one matrix (q|k|v, gate|up: one kernel call, one
+        quantization of the activations): a packed matrix is whole 16-row groups, so joining is concatenation."""
+        merged: list[Segment] = []
+        for seg in layer.segments:
+            prev = merged[-1] if merged else None
+            if isinstance(seg, QuantTensor) and seg.is_packed and isinstance(prev, QuantTensor) \
+                    and prev.qtype == seg.qtype:
+                merged[-1] = QuantTensor(torch.cat([prev.data, seg.data]), seg.qtype, seg.cols)
+            else:
+                merged.append(seg)
+        layer.segments = merged
 
     def fused_segments(self, layer: Linear) -> tuple[list[torch.Tensor], list[int]]:
         """The fused decoder-layer op's view of the weight: segment tensors and their ggml types (0: dense)."""

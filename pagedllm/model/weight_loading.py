@@ -43,8 +43,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         owner, leaf = _owner(model, path)
         if isinstance(owner, Linear):
             owner.load_weight(leaf, tensor, shard, name)
-        elif isinstance(tensor, QuantTensor):  # an embedding table kept in its stored blocks
-            tensor.replace_parameter(owner, leaf, name)
+        elif isinstance(tensor, QuantTensor):  # an embedding table kept in its stored blocks (also a tied head)
+            tensor.packed().replace_parameter(owner, leaf, name)
         else:
             load_dense(getattr(owner, leaf), tensor, name)
         seen.add(name)

@@ -15,6 +15,10 @@ KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
 }
 TYPE_IDS = {name: tid for tid, (name, _, _) in KERNEL_TYPES.items()}
+# Types the kernel repacks at load into 16-row interleaved groups (quant_packed.cpp); a packed matrix has type
+# PACKED_BASE + its file type and (per 256 elements) these bytes per row: the file's, +2.8% for Q4_K.
+PACKED_BASE = 1000
+PACKED_ROW_BYTES_PER_256 = {2: 144, 3: 160, 8: 272, 12: 148}
 
 
 def runs_as_stored(ggml_type: int, cols: int) -> bool:
@@ -48,8 +52,17 @@ class QuantTensor:
         return (self.data.shape[0], self.cols)
 
     @property
+    def is_packed(self) -> bool:
+        return self.qtype >= PACKED_BASE
+
+    @property
+    def file_type(self) -> int:
+        """The ggml type of the file this matrix came from."""
+        return self.qtype - PACKED_BASE if self.is_packed else self.qtype
+
+    @property
     def type_name(self) -> str:
-        return KERNEL_TYPES[self.qtype][0]
+        return KERNEL_TYPES[self.file_type][0]
 
     @property
     def nbytes(self) -> int:
@@ -68,17 +81,33 @@ class QuantTensor:
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows at ids, dequantized to dtype (F.embedding for a table kept in blocks)."""
+        if self.is_packed:
+            return kernel_op("quant_packed_rows")(self.data, self.qtype, self.cols, ids.reshape(-1)).to(dtype)
         return self.rows(ids).dequantize().to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantTensor:
         """The rows at `index` (a copy): for llama.cpp's Q/K row permutation and for embedding lookups."""
+        if self.is_packed:
+            raise ValueError("rows() reads a matrix in its file layout; this one is packed")
         return QuantTensor(self.data[index], self.qtype, self.cols)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the oracle's weights."""
+        if self.is_packed:
+            return self.embedding(torch.arange(self.shape[0]), torch.float32)
         from pagedllm.quantization import dequant
 
         return dequant.dequantize(self.data.numpy().reshape(-1), self.type_name, self.shape)
+
+    def packed(self) -> QuantTensor:
+        """This matrix in the kernel's 16-row interleaved form (an owned copy), where its type and shape have
+        one; otherwise itself. The packed form is what runs fast at every batch size."""
+        rows, cols = self.shape
+        per_256 = PACKED_ROW_BYTES_PER_256.get(self.qtype)
+        if per_256 is None or rows % 16 or cols % KERNEL_TYPES[self.qtype][1] or not kernel_available():
+            return self
+        return QuantTensor(kernel_op("quant_pack")(self.data.contiguous(), self.qtype, cols),
+                           PACKED_BASE + self.qtype, cols)
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, cols] (bf16 or fp32) @ W^T -> [M, rows] of x's dtype (or into out, which may be a column slice)."""

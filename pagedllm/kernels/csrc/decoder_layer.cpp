@@ -1,4 +1,5 @@
-// One Llama decoder layer in one call, for bf16 models on the C++ attention backend.
+// One Llama decoder layer in one call, for bf16 models and fp32 models with quantized weights on the C++ attention
+// backend (the element type T is Bf16 or float; pointwise stages round as torch does in that type).
 //
 // Layer by layer in Python a bf16 layer is ~50 torch ops: for a decode token of a small model their dispatch
 // costs as much as streaming the weights (`pagedllm bench compile` compares the two), and for prefill and large
@@ -17,15 +18,21 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "quant_gemm.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define DL_ENABLED 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DL_ENABLED 1  // the fp32 layer
 #else
 #define DL_ENABLED 0
+#endif
+#if DL_ENABLED && defined(__AVX512BF16__)
+#define DL_BF16 1  // the bf16 layer too
+#else
+#define DL_BF16 0
 #endif
 
 namespace {
@@ -38,21 +45,30 @@ inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
+// load / store / round_as (what storing in T and loading back gives), overloaded on the element type
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline __m512 round_as(const float*, __m512 v) { return v; }
+#if DL_BF16
 inline __m512 load(const Bf16* p, __mmask16 m) { return pagedllm::widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 
 inline void store(Bf16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-inline __m512 round_bf16(__m512 v) {  // what storing as bf16 and loading back gives
+inline __m512 round_as(const Bf16*, __m512 v) {
   return pagedllm::widen_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
+#endif
 
-const Bf16* data(const at::Tensor& t) { return reinterpret_cast<const Bf16*>(t.data_ptr()); }
-Bf16* data(at::Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr()); }
+template <typename T>
+T* data(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
 
-// y = w * bf16(x * rsqrt(mean(x^2) + eps)), statistics in fp32, as transformers computes it. y may alias x.
-void rms_norm(const Bf16* x, const Bf16* w, Bf16* y, int64_t n, float eps) {
+// y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32, as transformers computes it. y may alias x.
+template <typename T>
+void rms_norm(const T* x, const T* w, T* y, int64_t n, float eps) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 v = load(x + i, tail_mask(n - i));
@@ -61,42 +77,45 @@ void rms_norm(const Bf16* x, const Bf16* w, Bf16* y, int64_t n, float eps) {
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
-    store(y + i, _mm512_mul_ps(load(w + i, m), round_bf16(_mm512_mul_ps(load(x + i, m), r))), m);
+    store(y + i, _mm512_mul_ps(load(w + i, m), round_as(y, _mm512_mul_ps(load(x + i, m), r))), m);
   }
 }
 
 // x * cos + rotate_half(x) * sin over one head of d elements, in place; each product and the sum rounded.
-void rope(Bf16* x, const Bf16* cos, const Bf16* sin, int64_t d) {
+template <typename T>
+void rope(T* x, const T* cos, const T* sin, int64_t d) {
   const int64_t half = d / 2;
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
   for (int64_t i = 0; i < half; i += 16) {
     const __mmask16 m = tail_mask(half - i);
     const __m512 a = load(x + i, m), b = load(x + half + i, m);
-    const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(a, load(cos + i, m))),
-                                    round_bf16(_mm512_mul_ps(_mm512_xor_ps(b, sign), load(sin + i, m))));
-    const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(b, load(cos + half + i, m))),
-                                    round_bf16(_mm512_mul_ps(a, load(sin + half + i, m))));
+    const __m512 lo = _mm512_add_ps(round_as(x, _mm512_mul_ps(a, load(cos + i, m))),
+                                    round_as(x, _mm512_mul_ps(_mm512_xor_ps(b, sign), load(sin + i, m))));
+    const __m512 hi = _mm512_add_ps(round_as(x, _mm512_mul_ps(b, load(cos + half + i, m))),
+                                    round_as(x, _mm512_mul_ps(a, load(sin + half + i, m))));
     store(x + i, lo, m);
     store(x + half + i, hi, m);
   }
 }
 
 // x += b (n elements)
-void add_into(Bf16* x, const Bf16* b, int64_t n) {
+template <typename T>
+void add_into(T* x, const T* b, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
     store(x + i, _mm512_add_ps(load(x + i, m), load(b + i, m)), m);
   }
 }
 
-// out[i] = bf16(silu(g[i])) * u[i], rounded: F.silu(gate) * up on bf16 tensors.
-void silu_mul(const Bf16* g, const Bf16* u, Bf16* out, int64_t n) {
+// out[i] = T(silu(g[i])) * u[i], rounded: F.silu(gate) * up on tensors of T.
+template <typename T>
+void silu_mul(const T* g, const T* u, T* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
     const __m512 gv = load(g + i, m);
     const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, pagedllm::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    store(out + i, _mm512_mul_ps(round_bf16(silu), load(u + i, m)), m);
+    store(out + i, _mm512_mul_ps(round_as(out, silu), load(u + i, m)), m);
   }
 }
 
@@ -119,29 +138,35 @@ struct LinearWeight {
   bool dense() const { return segs.size() == 1 && types[0] == kDense; }
 };
 
-void check_linear(const LinearWeight& w, int64_t rows, int64_t cols, const char* name) {
+void check_linear(const LinearWeight& w, int64_t rows, int64_t cols, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(!w.segs.empty() && w.segs.size() == w.types.size() && w.rows() == rows, "decoder_layer: ", name,
               " has the wrong rows or segment list");
   for (size_t i = 0; i < w.segs.size(); ++i) {
     const at::Tensor& s = w.segs[i];
     const bool ok = w.types[i] == kDense
-                        ? s.scalar_type() == at::kBFloat16 && s.dim() == 2 && s.size(1) == cols
+                        ? s.scalar_type() == dtype && s.dim() == 2 && s.size(1) == cols
                         : s.scalar_type() == at::kByte && s.dim() == 2 &&
                               s.size(1) == pagedllm::quant_row_bytes(w.types[i], cols);
-    TORCH_CHECK(ok && s.is_contiguous(), "decoder_layer: ", name, " segment ", i, " is not contiguous bf16 or ",
+    TORCH_CHECK(ok && s.is_contiguous(), "decoder_layer: ", name, " segment ", i, " is not contiguous ", dtype, " or ",
                 "uint8 blocks of its type for ", cols, " inputs");
   }
 }
 
 #if DL_ENABLED
-// out = x @ w^T (+ bias) like the model's linear(): the bandwidth-bound small GEMM for a few rows (the bias added
-// to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does).
-void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+// out = x @ w^T (+ bias) like the model's linear(). bf16: the bandwidth-bound small GEMM for a few rows (the bias
+// added to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does). fp32:
+// oneDNN, or in batch-invariant mode the fixed-order GEMM (the bias added after).
+template <typename T>
+void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
+            bool invariant) {
   const int64_t rows = x.size(0), n = w.size(0);
-  if (rows <= pagedllm::kSmallGemmMaxRows) {
-    pagedllm::small_gemm_bf16_raw(data(x), data(w), data(out), rows, n, w.size(1));
+  if (std::is_same_v<T, float> && invariant) {
+    pagedllm::gemm_invariant_raw(x.data_ptr(), w.data_ptr(), out.data_ptr(), false, rows, n, w.size(1));
+    if (bias) out.add_(*bias);
+  } else if (std::is_same_v<T, Bf16> && rows <= pagedllm::kSmallGemmMaxRows) {
+    pagedllm::small_gemm_bf16_raw(data<Bf16>(x), data<Bf16>(w), data<Bf16>(out), rows, n, w.size(1));
     if (bias)
-      for (int64_t r = 0; r < rows; ++r) add_into(data(out) + r * n, data(*bias), n);
+      for (int64_t r = 0; r < rows; ++r) add_into(data<T>(out) + r * n, data<T>(*bias), n);
   } else if (bias) {
     at::addmm_out(out, *bias, x, w.t());
   } else {
@@ -151,24 +176,27 @@ void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Te
 
 // The same for a segmented weight: each quantized segment through quant_gemm into its columns (the bias added to
 // the rounded product, as the model's quantized linear method does).
-void linear(const at::Tensor& x, const LinearWeight& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
-  if (w.dense()) return linear(x, w.segs[0], bias, out);
+template <typename T>
+void linear(const at::Tensor& x, const LinearWeight& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
+            bool invariant) {
+  if (w.dense()) return linear<T>(x, w.segs[0], bias, out, invariant);
+  constexpr bool f32 = std::is_same_v<T, float>;
   const int64_t rows = x.size(0), n = out.size(1);
   int64_t col = 0;
   for (size_t i = 0; i < w.segs.size(); ++i) {
     const at::Tensor& s = w.segs[i];
     if (w.types[i] == kDense) {
       at::Tensor part = at::empty({rows, s.size(0)}, out.options());
-      linear(x, s, std::nullopt, part);
+      linear<T>(x, s, std::nullopt, part, invariant);
       out.narrow(1, col, s.size(0)).copy_(part);
     } else {
-      pagedllm::quant_gemm_raw(x.data_ptr(), false, s.data_ptr<uint8_t>(), w.types[i], data(out) + col, false, rows,
+      pagedllm::quant_gemm_raw(x.data_ptr(), f32, s.data_ptr<uint8_t>(), w.types[i], data<T>(out) + col, f32, rows,
                                s.size(0), x.size(1), n);
     }
     col += s.size(0);
   }
   if (bias)
-    for (int64_t r = 0; r < rows; ++r) add_into(data(out) + r * n, data(*bias), n);
+    for (int64_t r = 0; r < rows; ++r) add_into(data<T>(out) + r * n, data<T>(*bias), n);
 }
 
 template <typename F>
@@ -179,15 +207,18 @@ void for_rows(int64_t rows, const F& f) {
 }
 #endif
 
-void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "decoder_layer_bf16: ", name,
-              " must be contiguous bf16");
+void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous(), "decoder_layer: ", name, " must be contiguous ", dtype);
   TORCH_CHECK(w.dim() == (cols ? 2 : 1) && w.size(0) == rows && (!cols || w.size(1) == cols),
-              "decoder_layer_bf16: ", name, " has the wrong shape");
+              "decoder_layer: ", name, " has the wrong shape");
 }
 
+// Which decoder_layer<T> this build has: the fp32 one with AVX-512, the bf16 one with avx512_bf16 too.
+bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? DL_ENABLED : dtype == at::kBFloat16 && DL_BF16; }
+
 // h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
-// at slot_mapping before attention reads them.
+// at slot_mapping before attention reads them. attention_impl: paged_attention's impl bits (batch-invariant).
+template <typename T>
 void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeight& qkv_w,
                    const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
                    const std::optional<at::Tensor>& k_norm, const LinearWeight& o_w,
@@ -195,80 +226,107 @@ void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeigh
                    const LinearWeight& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                    at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads, double eps,
-                   double scale) {
+                   double scale, int64_t attention_impl) {
 #if DL_ENABLED
-  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.is_contiguous(),
-              "decoder_layer_bf16: h must be contiguous bf16 [tokens, hidden]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.dim() == 4 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "decoder_layer_bf16: K/V caches must be contiguous bf16 [blocks, block_size, kv_heads, head_dim]");
+  const at::ScalarType dt = h.scalar_type();
+  TORCH_CHECK(has_layer(dt) && h.dim() == 2 && h.is_contiguous(),
+              "decoder_layer: h must be contiguous [tokens, hidden] of a dtype this build has a layer for, got ", dt);
+  TORCH_CHECK(k_cache.scalar_type() == dt && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == dt,
+              "decoder_layer: K/V caches must be contiguous ", dt, " [blocks, block_size, kv_heads, head_dim]");
   const int64_t M = h.size(0), H = h.size(1), hkv = k_cache.size(2), d = k_cache.size(3);
   const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
   const int64_t inter = gate_up_w.rows() / 2;
-  check_weight(input_norm, H, 0, "input_norm");
-  check_weight(post_norm, H, 0, "post_norm");
-  check_linear(qkv_w, qkv_size, H, "qkv");
-  check_linear(o_w, H, q_size, "o");
-  check_linear(gate_up_w, 2 * inter, H, "gate_up");
-  check_linear(down_w, H, inter, "down");
-  if (qkv_b) check_weight(*qkv_b, qkv_size, 0, "qkv_bias");
-  if (o_b) check_weight(*o_b, H, 0, "o_bias");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer_bf16: q_norm and k_norm go together");
-  if (q_norm) check_weight(*q_norm, d, 0, "q_norm"), check_weight(*k_norm, d, 0, "k_norm");
-  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.numel() == M * d && sin.numel() == M * d,
-              "decoder_layer_bf16: cos/sin must be contiguous bf16 with tokens x head_dim elements");
+  check_weight(input_norm, H, 0, dt, "input_norm");
+  check_weight(post_norm, H, 0, dt, "post_norm");
+  check_linear(qkv_w, qkv_size, H, dt, "qkv");
+  check_linear(o_w, H, q_size, dt, "o");
+  check_linear(gate_up_w, 2 * inter, H, dt, "gate_up");
+  check_linear(down_w, H, inter, dt, "down");
+  if (qkv_b) check_weight(*qkv_b, qkv_size, 0, dt, "qkv_bias");
+  if (o_b) check_weight(*o_b, H, 0, dt, "o_bias");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm go together");
+  if (q_norm) check_weight(*q_norm, d, 0, dt, "q_norm"), check_weight(*k_norm, d, 0, dt, "k_norm");
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == M * d && sin.numel() == M * d,
+              "decoder_layer: cos/sin must be contiguous ", dt, " with tokens x head_dim elements");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == M,
-              "decoder_layer_bf16: slot_mapping must be contiguous int64 [tokens]");
+              "decoder_layer: slot_mapping must be contiguous int64 [tokens]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)
-    TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_layer_bf16: slot ", slots[m], " out of range");
+    TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_layer: slot ", slots[m], " out of range");
 
+  const bool invariant = attention_impl & 2;
   const float epsf = static_cast<float>(eps);
-  Bf16* hp = data(h);
-  const Bf16* qn = q_norm ? data(*q_norm) : nullptr;
-  const Bf16* kn = k_norm ? data(*k_norm) : nullptr;
+  T* hp = data<T>(h);
+  const T* qn = q_norm ? data<T>(*q_norm) : nullptr;
+  const T* kn = k_norm ? data<T>(*k_norm) : nullptr;
   at::Tensor x = at::empty({M, H}, h.options());
   at::Tensor qkv = at::empty({M, qkv_size}, h.options());
   at::Tensor attn = at::empty({M, num_heads, d}, h.options());
   at::Tensor proj = at::empty({M, H}, h.options());
   at::Tensor gate_up = at::empty({M, 2 * inter}, h.options());
   at::Tensor act = at::empty({M, inter}, h.options());
-  Bf16 *xp = data(x), *qkvp = data(qkv), *projp = data(proj), *gup = data(gate_up), *actp = data(act);
+  T *xp = data<T>(x), *qkvp = data<T>(qkv), *projp = data<T>(proj), *gup = data<T>(gate_up), *actp = data<T>(act);
 
   // Attention block: norm, QKV, (bias, q/k norm,) RoPE on q and k, K/V into the cache, attention, O.
-  for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data(input_norm), xp + m * H, H, epsf); });
-  linear(x, qkv_w, qkv_b, qkv);
-  Bf16* kc = data(k_cache);
-  Bf16* vc = data(v_cache);
+  for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data<T>(input_norm), xp + m * H, H, epsf); });
+  linear<T>(x, qkv_w, qkv_b, qkv, invariant);
+  T* kc = data<T>(k_cache);
+  T* vc = data<T>(v_cache);
   for_rows(M, [&](int64_t m) {
-    Bf16* row = qkvp + m * qkv_size;
+    T* row = qkvp + m * qkv_size;
     for (int64_t head = 0; head < num_heads + hkv; ++head) {  // q heads, then k heads: contiguous in the row
-      Bf16* x_head = row + head * d;
+      T* x_head = row + head * d;
       if (qn) rms_norm(x_head, head < num_heads ? qn : kn, x_head, d, epsf);
-      rope(x_head, data(cos) + m * d, data(sin) + m * d, d);
+      rope(x_head, data<T>(cos) + m * d, data<T>(sin) + m * d, d);
     }
-    std::memcpy(kc + slots[m] * kv_size, row + q_size, kv_size * sizeof(Bf16));
-    std::memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(Bf16));
+    std::memcpy(kc + slots[m] * kv_size, row + q_size, kv_size * sizeof(T));
+    std::memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
   });
   const at::Tensor q = qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
-  pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 0, 0, 0);
-  linear(attn.view({M, q_size}), o_w, o_b, proj);
+  pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                            attention_impl, 0, 0);
+  linear<T>(attn.view({M, q_size}), o_w, o_b, proj, invariant);
   for_rows(M, [&](int64_t m) {  // h += o; then the MLP's norm of the new h
     add_into(hp + m * H, projp + m * H, H);
-    rms_norm(hp + m * H, data(post_norm), xp + m * H, H, epsf);
+    rms_norm(hp + m * H, data<T>(post_norm), xp + m * H, H, epsf);
   });
 
   // MLP block: down(silu(gate) * up), gate and up fused in one weight.
-  linear(x, gate_up_w, std::nullopt, gate_up);
+  linear<T>(x, gate_up_w, std::nullopt, gate_up, invariant);
   for_rows(M, [&](int64_t m) { silu_mul(gup + m * 2 * inter, gup + m * 2 * inter + inter, actp + m * inter, inter); });
-  linear(act, down_w, std::nullopt, proj);
+  linear<T>(act, down_w, std::nullopt, proj, invariant);
   for_rows(M, [&](int64_t m) { add_into(hp + m * H, projp + m * H, H); });
 #else
-  TORCH_CHECK(false, "decoder_layer_bf16 needs a CPU with avx512_bf16 (the model runs its torch layers)");
+  TORCH_CHECK(false, "decoder_layer needs a CPU with AVX-512 (the model runs its torch layers)");
+#endif
+}
+
+// h's dtype picks the layer (float, or bf16 where the build has avx512_bf16).
+void decoder_layer_any(at::Tensor h, const at::Tensor& input_norm, const LinearWeight& qkv_w,
+                       const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
+                       const std::optional<at::Tensor>& k_norm, const LinearWeight& o_w,
+                       const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
+                       const LinearWeight& gate_up_w, const LinearWeight& down_w, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
+                       int64_t attention_impl) {
+  TORCH_CHECK(has_layer(h.scalar_type()), "decoder_layer: this build has no layer for ", h.scalar_type(),
+              " (the model runs its torch layers)");
+#if DL_ENABLED
+  const auto run = [&](auto tag) {
+    decoder_layer<decltype(tag)>(h, input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, down_w,
+                                 cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                 num_heads, eps, scale, attention_impl);
+  };
+  if (h.scalar_type() == at::kFloat) return run(float{});
+#if DL_BF16
+  run(Bf16{});
+#endif
 #endif
 }
 
@@ -279,14 +337,17 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
                         const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale) {
+                        const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
+                        int64_t attention_impl) {
   const auto dense = [](const at::Tensor& w) { return LinearWeight{{w}, {kDense}}; };
-  decoder_layer(h, input_norm, dense(qkv_w), qkv_b, q_norm, k_norm, dense(o_w), o_b, post_norm, dense(gate_up_w),
-                dense(down_w), cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                num_heads, eps, scale);
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16, "decoder_layer_bf16: h must be bf16");
+  decoder_layer_any(h, input_norm, dense(qkv_w), qkv_b, q_norm, k_norm, dense(o_w), o_b, post_norm, dense(gate_up_w),
+                    dense(down_w), cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                    num_heads, eps, scale, attention_impl);
 }
 
-// The layer with segmented weights (LinearWeight): GGUF blocks run as stored, dense bf16 segments as above.
+// The layer with segmented weights (LinearWeight): GGUF blocks run as stored, dense segments as above; h bf16 or
+// fp32.
 void decoder_layer_quant(at::Tensor h, const at::Tensor& input_norm, std::vector<at::Tensor> qkv_segs,
                          std::vector<int64_t> qkv_types, const std::optional<at::Tensor>& qkv_b,
                          const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
@@ -296,15 +357,19 @@ void decoder_layer_quant(at::Tensor h, const at::Tensor& input_norm, std::vector
                          std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale) {
-  decoder_layer(h, input_norm, {qkv_segs, qkv_types}, qkv_b, q_norm, k_norm, {o_segs, o_types}, o_b, post_norm,
-                {gate_up_segs, gate_up_types}, {down_segs, down_types}, cos, sin, k_cache, v_cache, slot_mapping,
-                block_tables, seq_lens, query_start_loc, num_heads, eps, scale);
+                         const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
+                         int64_t attention_impl) {
+  decoder_layer_any(h, input_norm, {qkv_segs, qkv_types}, qkv_b, q_norm, k_norm, {o_segs, o_types}, o_b, post_norm,
+                    {gate_up_segs, gate_up_types}, {down_segs, down_types}, cos, sin, k_cache, v_cache, slot_mapping,
+                    block_tables, seq_lens, query_start_loc, num_heads, eps, scale, attention_impl);
 }
+
+int64_t decoder_layer_f32_available() { return DL_ENABLED; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("decoder_layer_bf16", &decoder_layer_bf16);
   m.def("decoder_layer_quant", &decoder_layer_quant);
+  m.def("decoder_layer_f32_available", &decoder_layer_f32_available);
 }

@@ -474,6 +474,7 @@ bool reads_stored(int64_t t, int64_t M, int64_t K) {
 bool quant_type_supported(int64_t qtype) { return type_info(qtype).block != 0; }
 
 int64_t quant_row_bytes(int64_t qtype, int64_t K) {
+  if (qtype >= kPackedBase) return packed_row_bytes(qtype - kPackedBase, K);
   const TypeInfo ti = type_info(qtype);
   return ti.block && K % ti.block == 0 ? K / ti.block * ti.bytes : 0;
 }
@@ -482,6 +483,7 @@ bool quant_gemm_has_vnni() { return QG_VNNI; }
 
 void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, void* out, bool out_f32,
                     int64_t M, int64_t N, int64_t K, int64_t ldo) {
+  if (qtype >= kPackedBase) return quant_gemm_packed(x, x_f32, w, qtype - kPackedBase, out, out_f32, M, N, K, ldo);
   const int64_t row_bytes = quant_row_bytes(qtype, K);
   TORCH_CHECK(row_bytes > 0, "quant_gemm: unsupported type ", qtype, " or K ", K, " not a multiple of its block");
   if (M == 0 || N == 0) return;

@@ -14,13 +14,22 @@ namespace pagedllm {
 // ggml type ids (the GGUF file's) this kernel reads.
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
+// Weights repacked at load (quant_packed.cpp) have type kPackedBase + their file type.
+constexpr int64_t kPackedBase = 1000;
+
 bool quant_type_supported(int64_t qtype);
 int64_t quant_row_bytes(int64_t qtype, int64_t K);  // bytes of one stored weight row of K elements (0: unsupported)
 bool quant_gemm_has_vnni();
 
 // out[M, N] (fp32 if out_f32 else bf16; row stride ldo elements) = x[M, K] @ W^T, where x is bf16 (x_f32 = false)
-// or fp32 and W holds N rows of quant_row_bytes(qtype, K) bytes. Parallel over N across torch's threads.
+// or fp32 and W holds N rows of quant_row_bytes(qtype, K) bytes (a packed type: N / 16 interleaved groups). Parallel over N across torch's threads.
 void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, void* out, bool out_f32,
                     int64_t M, int64_t N, int64_t K, int64_t ldo);
+
+// quant_packed.cpp: the 16-row interleaved form of Q4_0, Q4_1, Q8_0 and Q4_K (N a multiple of 16).
+bool packable(int64_t base, int64_t N, int64_t K);
+int64_t packed_row_bytes(int64_t base, int64_t K);  // 0: not a packable type / K
+void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base, void* out, bool out_f32,
+                       int64_t M, int64_t N, int64_t K, int64_t ldo);
 
 }  // namespace pagedllm

@@ -1,0 +1,391 @@
+// Quantized linears on GGUF weights repacked once at load: 16 weight rows interleaved per group, one row per
+// fp32 lane, so that the int8 dot (AVX-512 VNNI vpdpbusd, u8 codes x s8 activations) sums each row in its own
+// lane and no horizontal reduction is ever needed (llama.cpp's "x16" repacks follow the same idea).
+//
+// A packed matrix keeps the file's bits (same bytes per row for Q4_0/Q4_1/Q8_0, +2.8% for Q4_K), regrouped:
+//   group g = rows 16g..16g+15, units of U elements (32; 256 for Q4_K), each unit of the group contiguous:
+//   Q4_0  [codes 256 B][d: 16 x f16]                 Q4_1  [codes 256 B][d: 16 x f16][m: 16 x f16]
+//   Q8_0  [codes 512 B][d: 16 x f16]                 Q4_K  [d: 16 x f16][dmin: 16 x f16] then 8 x 32-blocks of
+//                                                          [codes 256 B][scale: 16 x u8][min: 16 x u8]
+// codes of a 32-element block: 4-bit types in 4 vectors of 64 bytes, vector j lane i = row i's bytes 4j..4j+3
+// (low nibbles: elements 4j..4j+3, high nibbles: 16 + 4j..), 8-bit types in 8 vectors (vector s lane i = row i's
+// elements 4s..4s+3, as s8 + 128). Every block is w = ws * code + wo with per-row fp32 ws, wo (Q4_0: d, -8d;
+// Q4_1: d, m; Q8_0: d, -128d; Q4_K: d * scale, -dmin * min, all exact in fp32).
+//
+// Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even) with
+// dsa = da * sum(codes). out[m, n] = sum over blocks, in order, of
+//   acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)      (isum = the exact int32 dot)
+// The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal.
+
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "common.h"
+#include "quant_gemm.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__) && \
+    defined(__F16C__)
+#define QP_VNNI 1
+#else
+#define QP_VNNI 0
+#endif
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kGroupRows = 16;
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the dot the weight stream is prefetched
+
+struct PackedType {
+  int64_t unit, row_bytes;  // elements per unit, bytes per row and unit (= the file's bytes for those elements)
+  bool four_bit;
+};
+
+constexpr PackedType packed_type(int64_t base) {
+  switch (base) {
+    case kQ4_0: return {32, 18, true};
+    case kQ4_1: return {32, 20, true};
+    case kQ8_0: return {32, 34, false};
+    case kQ4_K: return {256, 148, true};
+    default: return {0, 0, false};
+  }
+}
+
+constexpr int64_t code_bytes(bool four_bit) { return four_bit ? 256 : 512; }
+
+// ---- packing ------------------------------------------------------------------------------------------------
+// One row's 32 codes (element order, values < 16) into a 4-bit block at lane `row`.
+void place_nibbles(const uint8_t* codes, int64_t row, uint8_t* dst) {
+  for (int c = 0; c < 16; ++c) dst[(c / 4) * 64 + row * 4 + c % 4] = codes[c] | (codes[c + 16] << 4);
+}
+
+void pack_unit(int64_t base, const uint8_t* src, int64_t row, uint8_t* dst) {
+  auto put_f16 = [](uint8_t* at, const uint8_t* from) { std::memcpy(at, from, 2); };
+  uint8_t codes[32];
+  switch (base) {
+    case kQ4_0:
+    case kQ4_1: {
+      const uint8_t* qs = src + (base == kQ4_0 ? 2 : 4);  // byte c: element c low, c + 16 high, as placed
+      for (int c = 0; c < 16; ++c) dst[(c / 4) * 64 + row * 4 + c % 4] = qs[c];
+      put_f16(dst + 256 + 2 * row, src);
+      if (base == kQ4_1) put_f16(dst + 288 + 2 * row, src + 2);
+      return;
+    }
+    case kQ8_0:
+      for (int e = 0; e < 32; ++e) dst[(e / 4) * 64 + row * 4 + e % 4] = src[2 + e] ^ 0x80;
+      put_f16(dst + 512 + 2 * row, src);
+      return;
+    case kQ4_K: {
+      put_f16(dst + 2 * row, src), put_f16(dst + 32 + 2 * row, src + 2);
+      const uint8_t *s = src + 4, *qs = src + 16;
+      for (int j = 0; j < 8; ++j) {  // 32-block j: nibble half j % 2 of bytes 32 (j / 2) ..
+        for (int e = 0; e < 32; ++e) codes[e] = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 15;
+        uint8_t* blk = dst + 64 + j * 288;
+        place_nibbles(codes, row, blk);
+        blk[256 + row] = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);  // ggml's 6-bit packing
+        blk[272 + row] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      }
+      return;
+    }
+  }
+}
+
+// ---- reading one row of a group (the portable path and row lookups) -------------------------------------------
+// Row i's 32-block at element k of group g: its scale, offset and codes.
+struct RowBlock {
+  float ws, wo;
+  const uint8_t* codes;
+};
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+RowBlock row_block(int64_t base, const uint8_t* g, int64_t i, int64_t k) {
+  const PackedType pt = packed_type(base);
+  const uint8_t* p = g + k / pt.unit * kGroupRows * pt.row_bytes;
+  if (base == kQ4_K) {
+    const uint8_t* blk = p + 64 + (k % 256) / 32 * 288;
+    return {f16_at(p + 2 * i) * static_cast<float>(blk[256 + i]),
+            0.f - f16_at(p + 32 + 2 * i) * static_cast<float>(blk[272 + i]), blk};
+  }
+  const int64_t cb = code_bytes(pt.four_bit);
+  const float ws = f16_at(p + cb + 2 * i);
+  return {ws, base == kQ4_1 ? f16_at(p + cb + 32 + 2 * i) : ws * (base == kQ4_0 ? -8.f : -128.f), p};
+}
+
+// Element e (0..31) of row i in a block's codes.
+inline int code_at(bool four_bit, const uint8_t* codes, int64_t i, int e) {
+  const int s = e / 4, c = e % 4;
+  if (!four_bit) return codes[s * 64 + i * 4 + c];
+  const uint8_t byte = codes[(s % 4) * 64 + i * 4 + c];
+  return s < 4 ? byte & 15 : byte >> 4;
+}
+
+// ---- activations ----------------------------------------------------------------------------------------------
+struct Acts {
+  int64_t K = 0;
+  std::unique_ptr<int8_t[]> a;   // [M, K]
+  std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
+};
+
+// One 32-block: codes round(v * 127 / amax) (half to even), returns their sum; *d = amax / 127.
+inline int quantize_block(const float* v, int8_t* a, float* d) {
+#if QP_VNNI
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
+  *d = amax / 127.f;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int q = static_cast<int>(std::nearbyint(v[i] * inv));  // the default rounding: half to even
+    a[i] = static_cast<int8_t>(q);
+    sum += q;
+  }
+  *d = amax / 127.f;
+  return sum;
+#endif
+}
+
+void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) {
+  acts.K = K;
+  acts.a.reset(new int8_t[M * K]);
+  acts.d.reset(new float[M * K / 32]);
+  acts.ds.reset(new float[M * K / 32]);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    float v[32];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < K; k += 32) {
+        const int64_t at = m * K + k;
+        const float* block = x_f32 ? static_cast<const float*>(x) + at : v;
+        if (!x_f32)
+          for (int i = 0; i < 32; ++i) v[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
+        float d;
+        const int sum = quantize_block(block, acts.a.get() + at, &d);
+        acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sum);
+      }
+  });
+}
+
+// ---- one group of 16 weight rows against MR activation rows: acc[j] lane i = out[m0 + j, 16 g + i] ------------
+#if QP_VNNI
+inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <bool four_bit, int MR>
+inline void block(const uint8_t* codes, __m512 ws, __m512 wo, const Acts& A, int64_t m0, int64_t k, __m512* acc) {
+  __m512i c[8];
+  if constexpr (four_bit) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+      c[j] = _mm512_and_si512(v, low4), c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+  } else {
+    for (int s = 0; s < 8; ++s) c[s] = _mm512_loadu_si512(codes + 64 * s);
+  }
+  for (int j = 0; j < MR; ++j) {
+    const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
+    __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // two chains: dpbusd's latency
+    for (int s = 0; s < 8; ++s) {
+      int32_t four;
+      std::memcpy(&four, a + 4 * s, 4);
+      part[s % 2] = _mm512_dpbusd_epi32(part[s % 2], c[s], _mm512_set1_epi32(four));
+    }
+    const __m512i isum = _mm512_add_epi32(part[0], part[1]);
+    const int64_t b = ((m0 + j) * A.K + k) / 32;
+    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_set1_ps(A.d[b])), acc[j]);
+    acc[j] = _mm512_fmadd_ps(wo, _mm512_set1_ps(A.ds[b]), acc[j]);
+  }
+}
+
+template <int64_t base, int MR>
+void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc) {
+  constexpr PackedType pt = packed_type(base);
+  for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
+  constexpr int64_t unit_bytes = kGroupRows * pt.row_bytes;
+  for (int64_t k = 0; k < A.K; k += pt.unit) {
+    const uint8_t* p = g + k / pt.unit * unit_bytes;
+    // the weights stream from memory once per call: ask for the next units ahead of the hardware prefetcher
+    for (int64_t l = 0; l < unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
+    if constexpr (base == kQ4_K) {
+      const __m512 d = f16x16(p), dmin = f16x16(p + 32);
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* blk = p + 64 + j * 288;
+        const __m512 ws = _mm512_mul_ps(d, u8x16(blk + 256));
+        const __m512 wo = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, u8x16(blk + 272)));
+        block<true, MR>(blk, ws, wo, A, m0, k + 32 * j, acc);
+      }
+    } else {
+      constexpr int64_t cb = code_bytes(pt.four_bit);
+      const __m512 ws = f16x16(p + cb);
+      const __m512 wo = base == kQ4_1 ? f16x16(p + cb + 32)
+                                      : _mm512_mul_ps(ws, _mm512_set1_ps(base == kQ4_0 ? -8.f : -128.f));
+      block<pt.four_bit, MR>(p, ws, wo, A, m0, k, acc);
+    }
+  }
+}
+
+template <int MR>
+void store_tile(const __m512* acc, void* out, bool out_f32, int64_t ldo, int64_t m0, int64_t n0) {
+  for (int j = 0; j < MR; ++j) {
+    const int64_t at = (m0 + j) * ldo + n0;
+    if (out_f32) {
+      _mm512_storeu_ps(static_cast<float*>(out) + at, acc[j]);
+    } else {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, acc[j]);
+      for (int i = 0; i < 16; ++i) static_cast<uint16_t*>(out)[at + i] = f32_to_bf16(v[i]);
+    }
+  }
+}
+
+template <int64_t base, int MR>
+void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0) {
+  __m512 acc[MR];
+  group_tile<base, MR>(g, A, m0, acc);
+  store_tile<MR>(acc, out, out_f32, ldo, m0, n0);
+}
+#else
+// The same arithmetic one output at a time.
+template <int64_t base, int MR>
+void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0) {
+  constexpr bool four_bit = packed_type(base).four_bit;
+  for (int j = 0; j < MR; ++j)
+    for (int i = 0; i < kGroupRows; ++i) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < A.K; k += 32) {
+        const RowBlock rb = row_block(base, g, i, k);
+        const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
+        int32_t isum = 0;
+        for (int e = 0; e < 32; ++e) isum += code_at(four_bit, rb.codes, i, e) * a[e];
+        const int64_t b = ((m0 + j) * A.K + k) / 32;
+        acc = std::fma(static_cast<float>(isum), rb.ws * A.d[b], acc);
+        acc = std::fma(rb.wo, A.ds[b], acc);
+      }
+      const int64_t at = (m0 + j) * ldo + n0 + i;
+      if (out_f32)
+        static_cast<float*>(out)[at] = acc;
+      else
+        static_cast<uint16_t*>(out)[at] = f32_to_bf16(acc);
+    }
+}
+#endif
+
+template <int64_t base>
+void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, int64_t N, int64_t ldo) {
+  constexpr PackedType pt = packed_type(base);
+  const int64_t group_bytes = kGroupRows * (A.K / pt.unit) * pt.row_bytes;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
+  at::parallel_for(0, N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gw = w + g * group_bytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile<base, 4>(gw, A, m, out, out_f32, ldo, g * kGroupRows);
+      switch (M - m) {
+        case 3: tile<base, 3>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+        case 2: tile<base, 2>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+        case 1: tile<base, 1>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool packable(int64_t base, int64_t N, int64_t K) {
+  const PackedType pt = packed_type(base);
+  return pt.unit != 0 && N % kGroupRows == 0 && K % pt.unit == 0;
+}
+
+int64_t packed_row_bytes(int64_t base, int64_t K) {
+  const PackedType pt = packed_type(base);
+  return pt.unit && K % pt.unit == 0 ? K / pt.unit * pt.row_bytes : 0;
+}
+
+void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base, void* out, bool out_f32,
+                       int64_t M, int64_t N, int64_t K, int64_t ldo) {
+  TORCH_CHECK(packable(base, N, K), "quant_gemm: packed type ", base, " with N ", N, ", K ", K, " is not packable");
+  if (M == 0) return;
+  Acts acts;
+  quantize_acts(x, x_f32, M, K, acts);
+  switch (base) {
+    case kQ4_0: return gemm<kQ4_0>(acts, w, out, out_f32, M, N, ldo);
+    case kQ4_1: return gemm<kQ4_1>(acts, w, out, out_f32, M, N, ldo);
+    case kQ8_0: return gemm<kQ8_0>(acts, w, out, out_f32, M, N, ldo);
+    case kQ4_K: return gemm<kQ4_K>(acts, w, out, out_f32, M, N, ldo);
+  }
+}
+
+}  // namespace pagedllm
+
+namespace {
+
+// w: uint8 [N, file row bytes] of ggml type `qtype` -> the packed form, uint8 [N, packed row bytes].
+at::Tensor quant_pack(const at::Tensor& w, int64_t qtype, int64_t K) {
+  using namespace pagedllm;
+  const int64_t N = w.size(0), src_row = quant_row_bytes(qtype, K), dst_row = packed_row_bytes(qtype, K);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == src_row &&
+                  packable(qtype, N, K), "quant_pack: type ", qtype, " [", N, ", ", K, "] cannot be packed");
+  at::Tensor out = at::empty({N, dst_row}, w.options());
+  const PackedType pt = packed_type(qtype);
+  const int64_t units = K / pt.unit, src_unit = src_row / units, dst_unit = kGroupRows * pt.row_bytes;
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kGroupRows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t i = 0; i < kGroupRows; ++i)
+        for (int64_t u = 0; u < units; ++u)
+          pack_unit(qtype, src + (g * kGroupRows + i) * src_row + u * src_unit, i,
+                    dst + g * kGroupRows * dst_row + u * dst_unit);
+  });
+  return out;
+}
+
+// Rows `ids` of a packed matrix (type kPackedBase + base) dequantized to fp32 [len(ids), K] (embedding lookups,
+// tests): exactly the file's values (ws * code + wo is exact in fp32 for these types).
+at::Tensor quant_packed_rows(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& ids) {
+  using namespace pagedllm;
+  const int64_t base = qtype - kPackedBase;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(1) == packed_row_bytes(base, K) && packable(base, w.size(0), K),
+              "quant_packed_rows: not a packed matrix of type ", qtype);
+  const at::Tensor idx = ids.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({idx.numel(), K}, w.options().dtype(at::kFloat));
+  const bool four_bit = packed_type(base).four_bit;
+  for (int64_t r = 0; r < idx.numel(); ++r) {
+    const int64_t n = idx.data_ptr<int64_t>()[r];
+    TORCH_CHECK(n >= 0 && n < w.size(0), "quant_packed_rows: row ", n, " out of range");
+    const uint8_t* g = w.data_ptr<uint8_t>() + n / kGroupRows * kGroupRows * w.size(1);
+    float* o = out.data_ptr<float>() + r * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const RowBlock rb = row_block(base, g, n % kGroupRows, k);
+      for (int e = 0; e < 32; ++e) o[k + e] = rb.ws * static_cast<float>(code_at(four_bit, rb.codes, n % kGroupRows, e)) + rb.wo;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("quant_pack", &quant_pack);
+  m.def("quant_packed_rows", &quant_packed_rows);
+}
