@@ -59,6 +59,7 @@ class KVCoreMachine(RuleBasedStateMachine):
                                     window=window if groups == "window" and not self.contiguous else None)
         self.groups = getattr(self.m, "groups", [self.m])
         self.windowed = any(g.window is not None for g in self.groups)
+        event("KV groups: " + ("hybrid" if len(self.groups) > 1 else "window" if self.windowed else "one"))
         self.live: list[Request] = []
         self.pending: dict[str, tuple[int, int, list[tuple[int, int]]]] = {}  # rid -> (start, n, copies)
         self.memory: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
@@ -111,6 +112,8 @@ class KVCoreMachine(RuleBasedStateMachine):
             state = g._requests[r.request_id]
             dead = first_needed_block(start, g.window, self.B)
             assert state.num_null == dead and all(b is NULL_BLOCK for b in state.blocks[:dead])
+            if dead:
+                event("blocks out of a window went back")
             assert all(b is not NULL_BLOCK and b.ref_cnt > 0 for b in state.blocks[dead:])
         return True
 
