@@ -65,3 +65,24 @@ def test_benchmarks_quick(tmp_path):
     (row,) = out["results"]
     assert row["output_tokens"] == out["workload"]["output_tokens"] and row["out_tok_per_s"] > 0
     assert (tmp_path / "throughput.json").exists() and (tmp_path / "throughput.png").exists()
+
+
+def test_memory_hybrid_on_a_tiny_sliding_window_model(tmp_path):
+    """bench memory --hybrid on tiny Gemma 3 (window 16, blocks of 4): the block counts are exact, so check them:
+    decoding, the sliding groups hold a window each; the same KV bytes admit more requests at once."""
+    from tiny_models import make_tiny_model
+
+    from pagedllm.benchmarks import memory_hybrid
+    from pagedllm.core.kv_groups import window_blocks
+
+    path = make_tiny_model(tmp_path / "gemma3", "gemma3", seed=1)
+    args = argparse.Namespace(model=str(path), dtype="float32", seed=3, threads=2, quick=False, block_size=4,
+                              hybrid_prompt_len=120, hybrid_output_len=24, hybrid_requests=8,
+                              hybrid_budget_requests=2.0, hybrid_chunk=24, tag="", out_dir=str(tmp_path))
+    out = memory_hybrid.measure(args)
+    flat, hyb = out["rows"]
+    assert (flat["kv_groups"], hyb["kv_groups"], hyb["layers_per_block"]) == (1, 3, 2)
+    assert flat["blocks_per_request"] == -(-(120 + 24 - 1) // 4)  # the last token needs no slot
+    assert hyb["blocks_per_request"] == flat["blocks_per_request"] + 2 * window_blocks(16, 4, 1)
+    assert out["ratios"]["blocks_per_request_x"] < 0.6
+    assert flat["peak_decoding"] == 2 and hyb["peak_decoding"] == 225 // hyb["blocks_per_request"]

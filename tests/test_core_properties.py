@@ -10,6 +10,9 @@ simulated KV memory. After every step:
 - speculative append + rollback keeps all of the above (rejected drafts' blocks return, no block of rejected
   tokens stays hashed);
 - when all requests are freed, every block is free.
+With a sliding window (a KVCacheManager with `window`, or a HybridKVCacheManager of a full and two sliding
+groups on one pool): after every allocation each sliding table holds NULL_BLOCK exactly for the blocks no later
+query reads (those blocks are back in the pool), and the tokens the next query may read still read back right.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedllm.core.block_pool import NULL_BLOCK
+from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import hash_request_blocks
+from pagedllm.core.kv_groups import plan_kv_groups
+from pagedllm.core.prefix_lookup import first_needed_block
 from pagedllm.core.request import Request
 
 # Few distinct tokens and shared "system prompts" so that prefix-cache hits and hash duplicates happen.
@@ -35,15 +42,23 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCoreMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4, 4]), num_blocks=st.integers(6, 32),
-                layout=st.sampled_from([("paged", True), ("paged", True), ("paged", False), ("contiguous", False)]))
-    def setup(self, block_size: int, num_blocks: int, layout: tuple[str, bool]) -> None:
+                layout=st.sampled_from([("paged", True), ("paged", True), ("paged", False), ("contiguous", False)]),
+                groups=st.sampled_from(["one", "one", "window", "hybrid"]), window=st.integers(1, 7))
+    def setup(self, block_size: int, num_blocks: int, layout: tuple[str, bool], groups: str, window: int) -> None:
         contiguous, caching = layout[0] == "contiguous", layout[1]
         self.B = block_size
         self.max_len = 12
         self.contiguous = contiguous and cdiv(self.max_len, block_size) <= num_blocks
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
-                                kv_layout="contiguous" if self.contiguous else "paged",
-                                max_model_len=self.max_len)
+        if groups == "hybrid" and not self.contiguous:  # one full and two sliding groups on one pool
+            self.m = HybridKVCacheManager(num_blocks, block_size, plan_kv_groups([None, window, window]),
+                                          enable_prefix_caching=caching)
+        else:
+            self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                                    kv_layout="contiguous" if self.contiguous else "paged",
+                                    max_model_len=self.max_len,
+                                    window=window if groups == "window" and not self.contiguous else None)
+        self.groups = getattr(self.m, "groups", [self.m])
+        self.windowed = any(g.window is not None for g in self.groups)
         self.live: list[Request] = []
         self.pending: dict[str, tuple[int, int, list[tuple[int, int]]]] = {}  # rid -> (start, n, copies)
         self.memory: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
@@ -58,17 +73,33 @@ class KVCoreMachine(RuleBasedStateMachine):
         pool = self.m.block_pool
         return ([b.block_id for b in pool.free_block_queue], [(b.ref_cnt, b.block_hash) for b in pool.blocks],
                 dict(pool.cached_block_hash_to_block), self.m.stats(),
-                {r.request_id: self.m.get_block_ids(r) for r in self.live})
+                {r.request_id: self.m.get_group_block_ids(r) for r in self.live})
+
+    def _tables(self, r: Request) -> list[list[int | None]]:
+        """Per group the request's block ids, None where a sliding window left a placeholder."""
+        return [[None if b is NULL_BLOCK else b.block_id for b in g._requests[r.request_id].blocks]
+                for g in self.groups]
+
+    def _num_hits(self, hits) -> int:
+        """Blocks of a lookup's hit (a hybrid manager gives one list per group, all as long)."""
+        if hits and isinstance(self.m, HybridKVCacheManager):
+            assert len({len(h) for h in hits}) == 1
+            return len(hits[0])
+        return len(hits or ())
+
+    def _write(self, r: Request, t: int, token: int) -> None:
+        for table in self._tables(r):  # the worker writes every layer, i.e. every group's block
+            self.memory[table[t // self.B]][t % self.B] = token
 
     def _idle(self) -> list[Request]:
         return [r for r in self.live if r.request_id not in self.pending]
 
     def _allocate(self, r: Request, n: int, hits=None, reserve: int = 0) -> bool:
         before = self._snapshot()
-        start = r.num_computed_tokens + len(hits or ()) * self.B
+        start = r.num_computed_tokens + self._num_hits(hits) * self.B
         copies = self.m.allocate_slots(r, n, hits, num_reserved_blocks=reserve)
-        if copies is None:
-            assert self._snapshot() == before, "a failed allocation changed the pool"
+        if copies is None:  # (a sliding window gives back its dead blocks even then)
+            assert self.windowed or self._snapshot() == before, "a failed allocation changed the pool"
             event("allocation refused")
             return False
         if copies:
@@ -76,6 +107,11 @@ class KVCoreMachine(RuleBasedStateMachine):
         if hits:
             event("prefix-cache hit")
         self.pending[r.request_id] = (start, n, copies)
+        for g in self.groups:  # exactly the blocks no query from `start` on reads are placeholders, back in the pool
+            state = g._requests[r.request_id]
+            dead = first_needed_block(start, g.window, self.B)
+            assert state.num_null == dead and all(b is NULL_BLOCK for b in state.blocks[:dead])
+            assert all(b is not NULL_BLOCK and b.ref_cnt > 0 for b in state.blocks[dead:])
         return True
 
     # ---- rules -------------------------------------------------------------------------------------
@@ -84,7 +120,7 @@ class KVCoreMachine(RuleBasedStateMachine):
     def admit(self, prefix, tail, chunk, reserve, salt) -> None:
         r = Request(self._new_id(), (prefix + tail)[: self.max_len - 1], cache_salt=salt)
         hits, n_cached = self.m.get_computed_blocks(r)
-        assert n_cached == len(hits) * self.B < r.num_tokens
+        assert n_cached == self._num_hits(hits) * self.B < r.num_tokens
         if self._allocate(r, min(chunk, r.num_tokens - n_cached), hits, reserve):
             r.num_computed_tokens = n_cached  # what the scheduler does after a successful admission
             self.live.append(r)
@@ -139,16 +175,15 @@ class KVCoreMachine(RuleBasedStateMachine):
         one bonus token are accepted, the table rolls back over the rejected drafts' slots."""
         r = data.draw(st.sampled_from([r for r in self.live
                                        if r.num_computed_tokens == r.num_tokens - 1 and r.num_tokens < self.max_len]))
-        drafts = drafts[: self.max_len - r.num_tokens]
+        drafts = drafts[: self.max_len - r.num_tokens - 1]  # room for the bonus token too
         start = r.num_computed_tokens
         copies = self.m.allocate_slots(r, 1 + len(drafts))
         if copies is None:
             return
         for src, dst in copies:
             self.memory[dst] = list(self.memory[src])
-        table = self.m.get_block_ids(r)
         for t, tok in enumerate(r.all_token_ids[start:] + drafts, start=start):  # the worker's K/V writes
-            self.memory[table[t // self.B]][t % self.B] = tok
+            self._write(r, t, tok)
         m = data.draw(st.integers(0, len(drafts)))
         event(f"speculation: {m} of {len(drafts)} accepted")
         for tok in drafts[:m] + [bonus]:
@@ -172,15 +207,15 @@ class KVCoreMachine(RuleBasedStateMachine):
         by_id = {r.request_id: r for r in self.live}
         for rid, (start, n, _) in self.pending.items():
             r = by_id[rid]
-            table = self.m.get_block_ids(r)
             for t in range(start, start + n):
-                self.memory[table[t // self.B]][t % self.B] = r.all_token_ids[t]
+                self._write(r, t, r.all_token_ids[t])
             r.num_computed_tokens = start + n
         self.pending.clear()
-        for r in self.live:
-            table = self.m.get_block_ids(r)
-            seen = [self.memory[table[t // self.B]][t % self.B] for t in range(r.num_computed_tokens)]
-            assert seen == r.all_token_ids[: r.num_computed_tokens], f"{r.request_id} reads wrong K/V"
+        for r in self.live:  # every token the next query may read (in a sliding group: its window)
+            for g, table in zip(self.groups, self._tables(r), strict=True):
+                first = 0 if g.window is None else max(0, r.num_computed_tokens - g.window + 1)
+                seen = [self.memory[table[t // self.B]][t % self.B] for t in range(first, r.num_computed_tokens)]
+                assert seen == r.all_token_ids[first:r.num_computed_tokens], f"{r.request_id} reads wrong K/V"
 
     @precondition(lambda self: not self.pending)
     @rule()
@@ -201,7 +236,7 @@ class KVCoreMachine(RuleBasedStateMachine):
     def ref_counts_match_tables(self) -> None:
         if not hasattr(self, "m"):
             return
-        holders = Counter(b for r in self.live for b in self.m.get_block_ids(r))
+        holders = Counter(b for r in self.live for table in self._tables(r) for b in table if b is not None)
         for b in self.m.block_pool.blocks:
             assert b.ref_cnt == holders[b.block_id], f"block {b.block_id}: ref {b.ref_cnt} != {holders[b.block_id]}"
 
@@ -222,13 +257,13 @@ class KVCoreMachine(RuleBasedStateMachine):
         for h, b in pool.cached_block_hash_to_block.items():
             assert b.block_hash == h
         assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached_block_hash_to_block)
-        for r in self.live:  # a cached block in a table stands for exactly that request's prefix
-            table = self.m.get_block_ids(r)
-            full = self.m._requests[r.request_id].num_full_blocks
-            expected = hash_request_blocks(r.all_token_ids[: full * self.B], self.B, r.cache_salt)
-            for i in range(full):
-                h = pool.blocks[table[i]].block_hash
-                assert h is None or h == expected[i]
+        for r in self.live:  # a cached block in a table stands for exactly that request's prefix (and group)
+            for g, table in zip(self.groups, self._tables(r), strict=True):
+                full = g._requests[r.request_id].num_full_blocks
+                expected = hash_request_blocks(r.all_token_ids[: full * self.B], self.B, r.cache_salt)
+                for i in range(full):
+                    h = None if table[i] is None else pool.blocks[table[i]].block_hash
+                    assert h is None or h == expected[i] + g._key.tag
 
     @invariant()
     def tables_have_the_right_length_and_stats_add_up(self) -> None:
@@ -237,16 +272,18 @@ class KVCoreMachine(RuleBasedStateMachine):
         covered = 0
         fill: dict[int, int] = {}  # physical block -> slots holding tokens (the fullest holder's view)
         for r in self.live:
-            state = self.m._requests[r.request_id]
-            n_blocks = len(self.m.get_block_ids(r))
-            if self.contiguous:
-                assert n_blocks == cdiv(self.max_len, self.B)
-            else:
-                assert n_blocks == cdiv(state.num_tokens, self.B)
-            assert r.num_computed_tokens <= state.num_tokens <= n_blocks * self.B
-            covered += state.num_tokens
-            for i, bid in enumerate(self.m.get_block_ids(r)):
-                fill[bid] = max(fill.get(bid, 0), min(self.B, max(0, state.num_tokens - i * self.B)))
+            for g, table in zip(self.groups, self._tables(r), strict=True):
+                state = g._requests[r.request_id]
+                n_blocks = len(table)
+                if self.contiguous:
+                    assert n_blocks == cdiv(self.max_len, self.B)
+                else:
+                    assert n_blocks == cdiv(state.num_tokens, self.B)
+                assert r.num_computed_tokens <= state.num_tokens <= n_blocks * self.B
+                covered += state.num_tokens - state.num_null * self.B  # placeholders hold no slots
+                for i, bid in enumerate(table):
+                    if bid is not None:
+                        fill[bid] = max(fill.get(bid, 0), min(self.B, max(0, state.num_tokens - i * self.B)))
         s = self.m.stats()
         assert s["logical_slots"] == covered
         assert s["used_slots"] == sum(fill.values()) <= s["allocated_slots"]

@@ -103,7 +103,8 @@ def test_engine_on_the_cpu_kernel(models):
 
     ours, hf = models
     llm = LLM(model=ours.path, dtype="float32", attention_backend="cpu", max_num_batched_tokens=256,
-              num_kv_blocks=160, block_size=16)
+              num_kv_blocks=960, block_size=16)  # blocks of one KV group (3 layers): 160 blocks of all 18 layers
+    assert llm.engine.kv_groups.windows == [None] + [512] * 5
     toks = prompt(540, 3)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first, again = (llm.generate([toks], params, use_tqdm=False)[0] for _ in range(2))
@@ -111,5 +112,7 @@ def test_engine_on_the_cpu_kernel(models):
     full = toks + got
     assert got == hf_logits(hf, full, list(range(len(toks) - 1, len(full) - 1))).argmax(-1).tolist()
     assert again.num_cached_tokens >= 512 and again.outputs[0].token_ids == got
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"] and [g["num_used_blocks"] for g in stats["kv_groups"]] == [0] * 6
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat([{"role": "user", "content": "hi"}])

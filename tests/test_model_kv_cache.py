@@ -45,6 +45,29 @@ def test_allocate_shapes_views_and_log(caplog):
         allocate_kv_caches(small, 16, torch.float32)
 
 
+def test_hybrid_layout_shares_one_pool_by_position_in_group():
+    """Gemma 3's 5 local : 1 global pattern over 12 layers: gcd(2, 10) = 2 layers per group,
+    1 full group (layers 5, 11) and 5 sliding groups; layer l uses pool[its position in its group]."""
+    from pagedllm.core.kv_groups import plan_kv_groups
+
+    cfg = ModelConfig(architecture="gemma3", num_layers=12, hidden_size=32, intermediate_size=64, num_heads=4,
+                      num_kv_heads=1, head_dim=8, vocab_size=10, max_position_embeddings=4096, sliding_window=64,
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12)])
+    layout = plan_kv_groups([cfg.layer_window(i) for i in range(12)], 4096)
+    assert [(g.layers, g.window) for g in layout.groups] == [((5, 11), None), ((0, 1), 64), ((2, 3), 64),
+                                                              ((4, 6), 64), ((7, 8), 64), ((9, 10), 64)]
+    assert kv_bytes_per_block(cfg, 16, torch.float32, layout.group_size) * 6 == kv_bytes_per_block(
+        cfg, 16, torch.float32)
+    caches = allocate_kv_caches(cfg, 16, torch.float32, num_blocks=7, layout=layout)
+    assert caches.pool.shape == (2, 2, 7, 16, 1, 8) and caches.layer_group == [1, 1, 2, 2, 3, 0, 3, 4, 4, 5, 5, 0]
+    assert caches[0][0].data_ptr() == caches[2][0].data_ptr() == caches[5][0].data_ptr()  # position 0
+    assert caches[1][0].data_ptr() == caches[11][0].data_ptr() != caches[0][0].data_ptr()  # position 1
+    assert plan_kv_groups([cfg.layer_window(i) for i in range(12)], 64).num_groups == 1  # window >= context
+    assert plan_kv_groups([None, 8, 8, 8, None]).windows == [None]  # 2 vs 3 layers: one full group
+    assert plan_kv_groups([8, 8, 8]).windows == [8]  # all sliding (Mistral): one sliding group
+    assert plan_kv_groups([None, 8, 8], hybrid=False).windows == [None]
+
+
 def test_config_from_hf_variants():
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
             "vocab_size": 100}

@@ -22,6 +22,13 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    # 4 local + 2 global layers, window 16: the hybrid KV layout makes 3 groups of 2 layers (1 full, 2 sliding)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),  # every layer slides
 }
 
 

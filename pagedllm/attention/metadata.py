@@ -29,6 +29,11 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata]:
+    """The metadata of each layer: one for all, or (hybrid KV groups: one block table per group) a list per layer."""
+    return meta if isinstance(meta, list) else [meta] * num_layers
+
+
 def compute_positions(num_computed: list[int], num_new: list[int]) -> np.ndarray:
     """Positions of all new tokens of the flat batch: request r contributes num_computed[r] + arange(num_new[r])."""
     computed = np.asarray(num_computed, dtype=np.int64)

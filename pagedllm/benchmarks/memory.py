@@ -8,6 +8,7 @@ report peak and mean running requests, mean utilisation, waste % (1 - utilisatio
 The block-size sweep keeps the same slot budget and reports the same numbers per block size. The KV dtype
 comparison (--kv-cache-dtypes) runs the paged layout again with the same KV bytes as the paged run (its pool in the
 compute dtype) stored as int8 (kv_cache_dtype="int8": ~1.9x the blocks): peak running requests and throughput.
+`--hybrid`: sliding-window models (Gemma 3), hybrid KV groups vs every layer global instead (memory_hybrid.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from pagedllm.benchmarks import common
+from pagedllm.benchmarks import common, memory_hybrid
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-dtypes", default="int8",
                    help="KV dtypes run paged at the paged run's KV bytes, against it ('' to skip)")
+    memory_hybrid.add_args(p)
 
 
 def pool_blocks(budget_tokens: int, block_size: int) -> int:
@@ -89,6 +91,8 @@ def _median_run(wl, args, layout, bs, **engine) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if args.hybrid:
+        return memory_hybrid.measure(args)
     common.set_threads(args.threads)
     n = args.num_requests or (8 if args.quick else 256)
     wl = common.offline_workload(n, output_len=(8, 16) if args.quick else (16, 256), seed=args.seed,

@@ -36,6 +36,12 @@ class KVBlock:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
+# The placeholder a sliding-window group's block table holds where a block fell out of the window and went back to
+# the pool. Not a pool block (touching or freeing it raises); its id 0 is a valid index that no kernel reads (the
+# window starts past it), so block tables stay rectangular int32 arrays.
+NULL_BLOCK = KVBlock(0)
+
+
 class FreeBlockQueue:
     """Doubly linked list threaded through the blocks themselves: O(1) popleft, append and remove
     from the middle (a cache hit on a free block takes it out wherever it is). Two sentinels avoid
@@ -198,3 +204,23 @@ class BlockPool:
         for b in blocks:
             if not (0 <= b.block_id < self.num_blocks and own[b.block_id] is b):
                 raise BlockPoolError(f"{b!r} does not belong to this pool")
+
+
+class PoolUsage:
+    """What a KV cache manager (plain or hybrid) answers from its block pool alone."""
+
+    block_pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks()
+
+    def num_used_blocks(self) -> int:
+        return self.block_pool.num_blocks - self.block_pool.num_free_blocks()
+
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref_cnt > 0); free cached blocks count as free."""
+        return self.num_used_blocks() / self.block_pool.num_blocks

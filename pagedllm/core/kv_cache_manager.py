@@ -13,6 +13,10 @@ Slot accounting: `used_slots` counts each physical block once, as the slots its 
 shared by k requests holds the same tokens for all of them); `logical_slots` sums what every table covers, so
 `logical_slots - used_slots` is what sharing saves.
 
+Sliding window (`window`, one KV group of a hybrid model, see kv_groups.py): at each allocation, the blocks no
+future query of the request can read (every token older than num_computed_tokens - window + 1) go back to the pool,
+still cached, and the table holds NULL_BLOCK in their place (num_null leading entries).
+
 Blocks are registered in the cache at allocation time: the worker writes all new K/V of a step before any
 attention reads, so a block cached in this step is safe to hit in this same step. The caller must therefore
 run every allocation it keeps; `free()` drops the hashes of registered blocks beyond
@@ -24,7 +28,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedllm.core.block_pool import BlockPool, KVBlock
+from pagedllm.core import prefix_lookup as lookup
+from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVBlock, PoolUsage
 from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers catch them from here)
     ContextTooLongError,
     DoubleFreeError,
@@ -35,7 +40,8 @@ from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers
     RequestExistsError,
     UnknownRequestError,
 )
-from pagedllm.core.kv_cache_utils import block_extra_keys, cdiv, hash_block_tokens, hash_request_blocks
+from pagedllm.core.kv_cache_utils import cdiv
+from pagedllm.core.kv_groups import capacity_tokens, request_blocks
 from pagedllm.core.request import Request
 
 _NO_BLOCKS: list[KVBlock] = []  # shared empty table; never mutated
@@ -48,14 +54,34 @@ class _RequestBlocks:
     num_full_blocks: int = 0
     num_tokens: int = 0
     num_hit_blocks: int = 0  # leading blocks taken from the prefix cache (their K/V existed already)
+    num_null: int = 0  # leading NULL_BLOCK entries: blocks that fell out of a sliding window
+
+
+@dataclass
+class _Plan:
+    """What one allocate_slots will do, computed (and validated) before any change."""
+
+    request: Request
+    state: _RequestBlocks | None
+    num_new_tokens: int
+    hits: list[KVBlock]  # new_computed_blocks
+    known_hashes: list[bytes]
+    total: int  # tokens the table covers afterwards
+    num_new_blocks: int
+    cow_index: list[int]
+    needed: int  # blocks taken from the free queue
+    first_allocation: bool
 
 
 _FREED_MEMORY = 4096  # recently freed ids kept to tell "freed twice" from "never seen"
 
 
-class KVCacheManager:
+class KVCacheManager(PoolUsage):
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 kv_layout: str = "paged", max_model_len: int | None = None) -> None:
+                 kv_layout: str = "paged", max_model_len: int | None = None, window: int | None = None,
+                 block_pool: BlockPool | None = None, group_id: int = 0) -> None:
+        """window: tokens a sliding-window group's layers attend to (None: full attention). block_pool: a pool
+        shared with the other KV groups of a hybrid model (group_id tells their cached blocks apart)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if kv_layout not in ("paged", "contiguous"):
@@ -68,7 +94,13 @@ class KVCacheManager:
         self.kv_layout = kv_layout
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        if window is not None and (window < 1 or kv_layout == "contiguous"):
+            raise ValueError(f"a sliding window needs the paged layout and window >= 1, got {window!r}")
+        self.window = window
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        num_blocks = self.block_pool.num_blocks
+        self._key = lookup.GroupKey(lookup.group_tag(group_id), window)
+        self.num_held_blocks = 0  # blocks in use by this manager's tables (each counted once)
         self._blocks_per_reservation = cdiv(max_model_len, block_size) if kv_layout == "contiguous" else 0
         self._requests: dict[str, _RequestBlocks] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
@@ -83,32 +115,30 @@ class KVCacheManager:
         self.prefix_cache_block_queries = 0
         self.prefix_cache_block_hits = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
+    def request_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """Blocks a request of num_tokens holds at most (step_tokens new tokens per step)."""
+        return request_blocks([self.window], self.block_size, num_tokens, step_tokens)
+
+    def capacity_tokens(self, step_tokens: int, limit: int) -> int:
+        """Tokens one request can hold with the whole cache to itself (step_tokens new tokens per step; at most
+        limit where a sliding window makes the need bounded)."""
+        if self.window is None:
+            return self.num_blocks * self.block_size
+        return capacity_tokens([self.window], self.block_size, self.num_blocks, step_tokens, limit)
 
     # ---- lookup ------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks from the start of request.all_token_ids, never covering the
-        last token (the model must produce its logits). Changes no ref counts."""
+        """Longest prefix hit (prefix_lookup.py: cached full blocks from the start; for a sliding window only those
+        the next token may read, NULL_BLOCK before), never covering the last token. Changes no ref counts."""
         if not self.enable_prefix_caching:
             return [], 0
-        B = self.block_size
-        tokens = request.all_token_ids
-        max_blocks = max(0, (len(tokens) - 1) // B)
-        pool = self.block_pool
-        hashes: list[bytes] = []
-        blocks: list[KVBlock] = []
-        parent: bytes | None = None
-        for i in range(max_blocks):  # hash only until the first miss
-            parent = hash_block_tokens(parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, request.cache_salt))
-            hashes.append(parent)
-            block = pool.get_cached_block(parent)
-            if block is None:
-                break
-            blocks.append(block)
-        self._lookup_memo = (request, len(tokens), hashes)
-        return blocks, len(blocks) * B
+        (blocks,), num_hit, hashes = lookup.lookup_prefix(self.block_pool, request, self.block_size, [self._key])
+        self.set_lookup_memo(request, hashes)
+        return blocks, num_hit * self.block_size
+
+    def set_lookup_memo(self, request: Request, hashes: list[bytes]) -> None:
+        """Remember the hashes a lookup computed, for the allocate_slots of the same request that follows."""
+        self._lookup_memo = (request, request.num_tokens, hashes)
 
     # ---- allocation --------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -116,13 +146,25 @@ class KVCacheManager:
                        num_reserved_blocks: int = 0) -> list[tuple[int, int]] | None:
         """Make the table cover num_computed_tokens + len(new_computed_blocks) * B + num_new_tokens tokens.
         Returns the copy-on-write (src_block_id, dst_block_id) pairs the worker must copy before writing,
-        or None (and changes nothing) if that would leave fewer than num_reserved_blocks free blocks."""
-        if num_new_tokens < 0:
-            raise NegativeTokenCountError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        or None (and changes nothing but giving back blocks that fell out of a sliding window) if that would
+        leave fewer than num_reserved_blocks free blocks."""
         if num_reserved_blocks < 0:
             raise NegativeTokenCountError(f"num_reserved_blocks must be >= 0, got {num_reserved_blocks}")
+        plan = self.plan_allocation(request, num_new_tokens, new_computed_blocks)
+        self.release_outside_window(request)
+        if self.block_pool.free_block_queue.num_free_blocks - plan.needed < num_reserved_blocks:
+            return None
+        self.take_hits(plan)
+        return self.commit_allocation(plan)
+
+    # The three phases of allocate_slots, separate so that a hybrid manager can check the blocks all its groups
+    # need together and take every group's prefix hits before any group takes new blocks (which could evict them).
+    def plan_allocation(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks: list[KVBlock] | None = None) -> _Plan:
+        """Validate and count; no change."""
+        if num_new_tokens < 0:
+            raise NegativeTokenCountError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         B = self.block_size
-        pool = self.block_pool
         rid = request.request_id
         state = self._requests.get(rid)
         cur_blocks = state.blocks if state is not None else _NO_BLOCKS
@@ -136,13 +178,13 @@ class KVCacheManager:
         if new_computed_blocks:
             ncb = list(new_computed_blocks)
             known_hashes = self._check_computed_blocks(request, state, ncb, known_hashes)
-            num_revived = sum(1 for b in ncb if b.ref_cnt == 0)  # cached free blocks leave the free queue
+            num_revived = sum(1 for b in ncb if b.ref_cnt == 0 and b is not NULL_BLOCK)  # cached free blocks
         else:
             ncb, num_revived = _NO_BLOCKS, 0
         total = num_computed + len(ncb) * B + num_new_tokens
         num_table_blocks = cdiv(total, B)
 
-        # How many blocks this needs from the free queue (all checks before any change).
+        # How many blocks this needs from the free queue.
         if self.kv_layout == "contiguous":
             if total > self._blocks_per_reservation * B:
                 raise ContextTooLongError(
@@ -157,50 +199,81 @@ class KVCacheManager:
             for i in range(max(num_computed // B, state.num_full_blocks), min(num_cur, num_table_blocks)):
                 if cur_blocks[i].ref_cnt > 1:
                     cow_index.append(i)
-        needed = num_new_blocks + len(cow_index) + num_revived
-        if pool.free_block_queue.num_free_blocks - needed < num_reserved_blocks:
-            return None
+        return _Plan(request, state, num_new_tokens, ncb, known_hashes, total, num_new_blocks, cow_index,
+                     num_new_blocks + len(cow_index) + num_revived, state is None)
 
-        # Commit.
-        first_allocation = state is None
-        if state is None:
-            state = self._requests[rid] = _RequestBlocks()
-            self._freed.pop(rid, None)
+    def release_outside_window(self, request: Request) -> None:
+        """Sliding window: give back the blocks before the first one the next query may read."""
+        state = self._requests.get(request.request_id)
+        if self.window is None or state is None:
+            return
+        end = min(lookup.first_needed_block(request.num_computed_tokens, self.window, self.block_size), len(state.blocks))
+        if end <= state.num_null:
+            return
+        blocks = state.blocks
+        self._release(blocks[i] for i in range(end - 1, state.num_null - 1, -1))  # tail first, as free()
+        for i in range(state.num_null, end):
+            blocks[i] = NULL_BLOCK
+        self._logical_slots -= (end - state.num_null) * self.block_size
+        state.num_null = end
+
+    def take_hits(self, plan: _Plan) -> None:
+        """Hold the prefix-cache hits (before any new block is taken: that could evict them)."""
+        if plan.state is not None:
+            return
+        rid = plan.request.request_id
+        plan.state = self._requests[rid] = _RequestBlocks()
+        self._freed.pop(rid, None)
         self._lookup_memo = None
+        ncb = plan.hits
         if ncb:
-            pool.touch(ncb)  # before get_new_blocks, so that they cannot be evicted by it
-            state.blocks.extend(ncb)
-            state.block_hashes = list(known_hashes[:len(ncb)])
-            state.num_full_blocks = state.num_hit_blocks = len(ncb)
+            live = [b for b in ncb if b is not NULL_BLOCK]
+            self.block_pool.touch(live)
+            self.num_held_blocks += sum(1 for b in live if b.ref_cnt == 1)
+            plan.state.blocks.extend(ncb)
+            plan.state.block_hashes = list(plan.known_hashes[:len(ncb)])
+            plan.state.num_full_blocks = plan.state.num_hit_blocks = len(ncb)
+            plan.state.num_null = len(ncb) - len(live)
+            self._logical_slots -= plan.state.num_null * self.block_size
+
+    def commit_allocation(self, plan: _Plan) -> list[tuple[int, int]]:
+        """Take the new blocks and copy-on-write targets (the caller checked that enough are free)."""
+        B = self.block_size
+        pool = self.block_pool
+        request, state = plan.request, plan.state
+        self._lookup_memo = None
         copies: list[tuple[int, int]] = []
-        if cow_index:
-            for i, dst in zip(cow_index, pool.get_new_blocks(len(cow_index)), strict=True):
+        if plan.cow_index:
+            for i, dst in zip(plan.cow_index, pool.get_new_blocks(len(plan.cow_index)), strict=True):
                 src = state.blocks[i]
                 self._release((src,))  # ref_cnt > 1: stays in use by the others
                 state.blocks[i] = dst
                 copies.append((src.block_id, dst.block_id))
-        if num_new_blocks:
-            state.blocks.extend(pool.get_new_blocks(num_new_blocks))
+        if plan.num_new_blocks:
+            state.blocks.extend(pool.get_new_blocks(plan.num_new_blocks))
+        self.num_held_blocks += plan.num_new_blocks + len(plan.cow_index)
+        total = plan.total
         if total > state.num_tokens:
             self._logical_slots += total - state.num_tokens
             state.num_tokens = total
-        self._cover(state, num_computed // B)
+        self._cover(state, request.num_computed_tokens // B)
         if min(total, len(request.all_token_ids)) // B > state.num_full_blocks:
-            self._register_full_blocks(request, state, total, known_hashes)
-        if first_allocation and self.enable_prefix_caching and request.num_preemptions == 0:
+            self._register_full_blocks(request, state, total, plan.known_hashes)
+        if plan.first_allocation and self.enable_prefix_caching and request.num_preemptions == 0:
             num_prompt = request.num_prompt_tokens  # counted once per request, like vLLM: prompt tokens
+            ncb = plan.hits
             self.prefix_cache_queries += num_prompt
             self.prefix_cache_hits += min(len(ncb) * B, num_prompt)
             self.prefix_cache_block_queries += max(0, (num_prompt - 1) // B)
             self.prefix_cache_block_hits += min(len(ncb), max(0, (num_prompt - 1) // B))
-        if needed:
+        if plan.needed:
             self._update_peak()
         return copies
 
     def _cover(self, state: _RequestBlocks, first_block: int) -> None:
         """Raise the fill of the table's blocks from first_block on to what the table now covers."""
         B, fill, blocks = self.block_size, self._fill, state.blocks
-        for i in range(first_block, min(len(blocks), cdiv(state.num_tokens, B))):
+        for i in range(max(first_block, state.num_null), min(len(blocks), cdiv(state.num_tokens, B))):
             n = min(B, state.num_tokens - i * B)
             bid = blocks[i].block_id
             if n > fill[bid]:
@@ -208,12 +281,14 @@ class KVCacheManager:
                 fill[bid] = n
 
     def _release(self, blocks) -> None:
-        """Ref counts down (in the order given); a block nobody holds any more holds no used slots."""
-        blocks = list(blocks)
+        """Ref counts down (in the order given; placeholders skipped); a block nobody holds any more holds no
+        used slots."""
+        blocks = [b for b in blocks if b is not NULL_BLOCK]
         self.block_pool.free_blocks(blocks)
         fill = self._fill
         for b in blocks:
             if b.ref_cnt == 0:
+                self.num_held_blocks -= 1
                 self._used_slots -= fill[b.block_id]
                 fill[b.block_id] = 0
 
@@ -231,20 +306,7 @@ class KVCacheManager:
         if state is not None:
             raise InvalidComputedBlocksError(
                 f"new_computed_blocks are only accepted at a request's first allocation ({rid!r} has blocks)")
-        B = self.block_size
-        if len(ncb) * B > request.num_tokens:
-            raise InvalidComputedBlocksError(
-                f"{len(ncb)} computed blocks cover more than the {request.num_tokens} tokens of {rid!r}")
-        hashes = hash_request_blocks(request.all_token_ids[:len(ncb) * B], B, request.cache_salt,
-                                     start_hashes=known_hashes[:len(ncb)])
-        pool_blocks = self.block_pool.blocks
-        for i, b in enumerate(ncb):
-            if not (0 <= b.block_id < len(pool_blocks) and pool_blocks[b.block_id] is b):
-                raise InvalidComputedBlocksError(f"{b!r} does not belong to this pool")
-            if b.block_hash != hashes[i]:
-                raise InvalidComputedBlocksError(
-                    f"computed block {i} of {rid!r} ({b!r}) no longer holds this prefix (evicted since lookup?)")
-        return hashes
+        return lookup.check_hit_blocks(self.block_pool, request, ncb, known_hashes, self.block_size, self._key.tag)
 
     def _register_full_blocks(self, request: Request, state: _RequestBlocks, total: int,
                               known_hashes: list[bytes]) -> None:
@@ -255,17 +317,12 @@ class KVCacheManager:
             return
         if self.enable_prefix_caching:
             hashes = state.block_hashes  # one per full block; extended in place (fork copies the list)
-            reuse = known_hashes if known_hashes is not hashes else ()  # hashed by the lookup already
-            tokens, salt = request.all_token_ids, request.cache_salt
-            parent = hashes[-1] if hashes else None
-            for i in range(len(hashes), n_full):  # only the new blocks: no O(sequence) work per step
-                parent = reuse[i] if i < len(reuse) else hash_block_tokens(
-                    parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, salt))
-                hashes.append(parent)
+            lookup.extend_block_hashes(request, hashes, n_full, B, known_hashes if known_hashes is not hashes else ())
             cache = self.block_pool.cache_full_block
             blocks = state.blocks
-            for i in range(state.num_full_blocks, n_full):
-                cache(blocks[i], hashes[i])
+            tag = self._key.tag
+            for i in range(max(state.num_full_blocks, state.num_null), n_full):
+                cache(blocks[i], hashes[i] + tag)
         state.num_full_blocks = n_full
 
     # ---- sharing and release ----------------------------------------------------------------------
@@ -277,11 +334,12 @@ class KVCacheManager:
             raise self._unknown(parent.request_id, "fork from")
         if child.request_id in self._requests:
             raise RequestExistsError(f"cannot fork into {child.request_id!r}: it already holds blocks")
-        self.block_pool.touch(ps.blocks)  # all in use already: no free block is taken
+        self.block_pool.touch(ps.blocks[ps.num_null:])  # all in use already: no free block is taken
         self._requests[child.request_id] = _RequestBlocks(
-            list(ps.blocks), list(ps.block_hashes), ps.num_full_blocks, ps.num_tokens, ps.num_hit_blocks)
+            list(ps.blocks), list(ps.block_hashes), ps.num_full_blocks, ps.num_tokens, ps.num_hit_blocks,
+            ps.num_null)
         self._freed.pop(child.request_id, None)
-        self._logical_slots += ps.num_tokens
+        self._logical_slots += ps.num_tokens - ps.num_null * self.block_size
 
     def free(self, request: Request) -> None:
         """Ref counts down, tail blocks first, so that the LRU queue evicts a request's tail first.
@@ -292,7 +350,7 @@ class KVCacheManager:
             raise self._unknown(rid, "free")
         self._release(reversed(state.blocks))
         del self._requests[rid]
-        self._logical_slots -= state.num_tokens
+        self._logical_slots -= state.num_tokens - state.num_null * self.block_size
         self._freed[rid] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
@@ -349,21 +407,15 @@ class KVCacheManager:
     def has_request(self, request: Request) -> bool:
         return request.request_id in self._requests
 
+    def get_group_block_ids(self, request: Request) -> list[list[int]]:
+        """One block table per KV group (HybridKVCacheManager's interface): here the one table."""
+        return [self.get_block_ids(request)]
+
     def get_block_ids(self, request: Request) -> list[int]:
         state = self._requests.get(request.request_id)
         if state is None:
             raise self._unknown(request.request_id, "get the blocks of")
         return [b.block_id for b in state.blocks]
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks()
-
-    def num_used_blocks(self) -> int:
-        return self.block_pool.num_blocks - self.block_pool.num_free_blocks()
-
-    def usage(self) -> float:
-        """Fraction of blocks in use (ref_cnt > 0); free cached blocks count as free."""
-        return self.num_used_blocks() / self.block_pool.num_blocks
 
     def stats(self) -> dict:
         """used_slots: token slots holding a token (num_computed_tokens + tokens allocated this step) in the

@@ -78,7 +78,7 @@ class Scheduler:
         """Tokens one request can hold with the whole cache to itself."""
         if self.kv.kv_layout == "contiguous":
             return self.config.max_model_len
-        return self.kv.num_blocks * self.kv.block_size
+        return self.kv.capacity_tokens(self.config.max_num_batched_tokens, self.config.max_model_len)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Reject at add time what could never run (instead of letting it wait, or stall the queue, forever).
@@ -100,9 +100,10 @@ class Scheduler:
         room = min(max_len - num_prompt_tokens, capacity + 1 - num_prompt_tokens)
         if room < 1:
             raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens needs {cdiv(num_prompt_tokens, self.kv.block_size)} KV "
-                f"blocks but the cache has only {self.kv.num_blocks} of {self.kv.block_size} tokens; raise "
-                f"kv_cache_memory or num_kv_blocks")
+                f"prompt of {num_prompt_tokens} tokens needs "
+                f"{self.kv.request_blocks(num_prompt_tokens, self.config.max_num_batched_tokens)} KV blocks but the "
+                f"cache has only {self.kv.num_blocks} of {self.kv.block_size} tokens; raise kv_cache_memory or "
+                f"num_kv_blocks")
         if max_tokens is None:
             return room
         max_tokens = min(max_tokens, max_len - num_prompt_tokens)

@@ -37,6 +37,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_layout: str = "paged"
+    # hybrid models (sliding-window and full layers, e.g. Gemma 3): one block table per KV group, the sliding
+    # groups giving back blocks that fell out of their window (core/kv_groups.py); False keeps every block of every
+    # layer (the "all global" baseline)
+    hybrid_kv_cache: bool = True
     attention_backend: str = "auto"
     # how weights run: "auto" GGUF block formats as stored, "none" dequantized to dtype, "int8" HF weights in int8.
     # The default stays "none" until the as-stored path matches it in quality with bf16 activations and in batched
@@ -106,6 +110,9 @@ class EngineArgs:
                        help=argparse.SUPPRESS)  # the old spelling
         g.add_argument("--kv-layout", default=d.kv_layout, choices=["paged", "contiguous"],
                        help="contiguous reserves max-model-len per request up front (the baseline)")
+        g.add_argument("--hybrid-kv-cache", default=d.hybrid_kv_cache, action=argparse.BooleanOptionalAction,
+                       help="sliding-window layers give back the KV blocks that fell out of their window "
+                            "(--no-hybrid-kv-cache: keep every block of every layer)")
         g.add_argument("--attention-backend", default=d.attention_backend,
                        help="auto, reference (the pure-torch oracle) or a kernel name")
         g.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int8"],

@@ -80,7 +80,7 @@ class DraftModelProposer:
             if not batch:
                 break
             scheduled = [ScheduledRequest(m, m.num_tokens - m.num_computed_tokens, [], True) for m, _, _ in batch]
-            logits = self.runner.execute(scheduled, [self.kv.get_block_ids(m) for m, _, _ in batch], [])
+            logits = self.runner.execute(scheduled, [[self.kv.get_block_ids(m) for m, _, _ in batch]], [])
             next_tokens = logits.argmax(-1).tolist()
             active = []
             for (m, k, target), s, tok in zip(batch, scheduled, next_tokens, strict=True):

@@ -26,14 +26,20 @@ def kv_snapshot(engine: Any) -> dict[str, Any]:
     cells = [FREE] * n
     pos = [0] * n
     age = [0] * n
-    requests = []
-    for rid, state in kv._requests.items():
-        idx = len(requests)
-        requests.append({"id": rid, "num_tokens": state.num_tokens, "num_blocks": len(state.blocks)})
-        for j, b in enumerate(state.blocks):
-            if cells[b.block_id] < 0:  # a shared block is drawn in its first holder's colour
-                cells[b.block_id] = idx
-                pos[b.block_id] = j
+    requests: list[dict[str, Any]] = []
+    index: dict[str, int] = {}
+    for group in getattr(kv, "groups", [kv]):  # a hybrid model's KV groups: every group's blocks in the colour
+        for rid, state in group._requests.items():  # of their request, num_blocks summed over the groups
+            if rid not in index:
+                index[rid] = len(requests)
+                requests.append({"id": rid, "num_tokens": state.num_tokens, "num_blocks": 0})
+            idx = index[rid]
+            requests[idx]["num_blocks"] += len(state.blocks) - state.num_null
+            for j in range(state.num_null, len(state.blocks)):  # leading placeholders: blocks out of a window
+                b = state.blocks[j]
+                if cells[b.block_id] < 0:  # a shared block is drawn in its first holder's colour
+                    cells[b.block_id] = idx
+                    pos[b.block_id] = j
     for rank, b in enumerate(pool.free_block_queue):
         age[b.block_id] = rank
         if b.block_hash is not None:

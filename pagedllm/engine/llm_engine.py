@@ -8,7 +8,8 @@ from collections.abc import Iterable
 
 import torch
 
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
+from pagedllm.core.kv_groups import plan_kv_groups
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.dtypes import resolve_dtype
@@ -49,14 +50,18 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or max_pos, max_pos)
 
         self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
+        cfg = self.model_config
+        self.kv_groups = plan_kv_groups([cfg.layer_window(i) for i in range(cfg.num_layers)], self.max_model_len,
+                                        hybrid=args.hybrid_kv_cache and args.kv_layout == "paged")
         num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            self.model_config, args.block_size, self.kv_dtype, parse_bytes(args.kv_cache_memory))
-        self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                                 kv_layout=args.kv_layout, max_model_len=self.max_model_len)
+            cfg, args.block_size, self.kv_dtype, parse_bytes(args.kv_cache_memory), self.kv_groups.group_size)
+        self.kv = make_kv_cache_manager(num_blocks, args.block_size, self.kv_groups,
+                                        enable_prefix_caching=args.enable_prefix_caching, kv_layout=args.kv_layout,
+                                        max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  self.kv_dtype, args.attention_backend, args.batch_invariant)
+                                  self.kv_dtype, args.attention_backend, args.batch_invariant, self.kv_groups)
         self.sampler = Sampler(args.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
                                                 self.max_model_len)
@@ -208,7 +213,8 @@ class LLMEngine:
         return self.scheduler.update_after_step(out), logits
 
     def _run(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        block_tables = [self.kv.get_block_ids(s.request) for s in scheduled]
+        per_request = [self.kv.get_group_block_ids(s.request) for s in scheduled]
+        block_tables = [[t[g] for t in per_request] for g in range(self.kv_groups.num_groups)]
         logits = self.runner.execute(scheduled, block_tables, block_copies)
         if self.output_processor.num_prompt_logprobs:
             collect_prompt_logprobs(self.runner.model, self.runner.last_hidden, scheduled,

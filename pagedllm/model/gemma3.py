@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.attention.metadata import per_layer
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache
@@ -65,10 +66,10 @@ class Gemma3ForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids) * self.embed_scale
         rope = {False: self.rotary(positions, self.dtype), True: self.rotary_local(positions, self.dtype)}
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, *rope[layer.sliding], kv, meta, self.attn_backend)
+        for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
+            h = layer(h, *rope[layer.sliding], kv, m, self.attn_backend)
         return self.norm(h)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
+from pagedllm.attention.metadata import per_layer
 from pagedllm.kernels import batch_invariant, kernel_op
 from pagedllm.model import registry
 from pagedllm.model.base import Attention, CausalLM
@@ -82,16 +83,16 @@ class LlamaForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final-normed hidden states [T, H]."""
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, self.dtype)
         fused = self._fused_layer_op(h, kv_caches)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
             if fused is not None:
-                layer.forward_fused(fused, h, cos, sin, kv, meta)
+                layer.forward_fused(fused, h, cos, sin, kv, m)
             else:
-                h = layer(h, cos, sin, kv, meta, self.attn_backend)
+                h = layer(h, cos, sin, kv, m, self.attn_backend)
         return self.norm(h)
 
     def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
