@@ -298,6 +298,7 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gw = w + g * group_bytes;
       int64_t m = 0;
+      for (; m + 8 <= M; m += 8) tile<base, 8>(gw, A, m, out, out_f32, ldo, g * kGroupRows);
       for (; m + 4 <= M; m += 4) tile<base, 4>(gw, A, m, out, out_f32, ldo, g * kGroupRows);
       switch (M - m) {
         case 3: tile<base, 3>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
