@@ -26,9 +26,9 @@ run every allocation it keeps; `free()` drops the hashes of registered blocks be
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from pagedllm.core import prefix_lookup as lookup
+from pagedllm.core.allocation import AllocationPlan, RequestBlocks
 from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVBlock, PoolUsage
 from pagedllm.core.kv_cache_errors import (  # noqa: F401  (re-exported: callers catch them from here)
     ContextTooLongError,
@@ -45,32 +45,6 @@ from pagedllm.core.kv_groups import capacity_tokens, request_blocks
 from pagedllm.core.request import Request
 
 _NO_BLOCKS: list[KVBlock] = []  # shared empty table; never mutated
-
-
-@dataclass
-class _RequestBlocks:
-    blocks: list[KVBlock] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of the first num_full_blocks (caching on)
-    num_full_blocks: int = 0
-    num_tokens: int = 0
-    num_hit_blocks: int = 0  # leading blocks taken from the prefix cache (their K/V existed already)
-    num_null: int = 0  # leading NULL_BLOCK entries: blocks that fell out of a sliding window
-
-
-@dataclass
-class _Plan:
-    """What one allocate_slots will do, computed (and validated) before any change."""
-
-    request: Request
-    state: _RequestBlocks | None
-    num_new_tokens: int
-    hits: list[KVBlock]  # new_computed_blocks
-    known_hashes: list[bytes]
-    total: int  # tokens the table covers afterwards
-    num_new_blocks: int
-    cow_index: list[int]
-    needed: int  # blocks taken from the free queue
-    first_allocation: bool
 
 
 _FREED_MEMORY = 4096  # recently freed ids kept to tell "freed twice" from "never seen"
@@ -102,7 +76,7 @@ class KVCacheManager(PoolUsage):
         self._key = lookup.GroupKey(lookup.group_tag(group_id), window)
         self.num_held_blocks = 0  # blocks in use by this manager's tables (each counted once)
         self._blocks_per_reservation = cdiv(max_model_len, block_size) if kv_layout == "contiguous" else 0
-        self._requests: dict[str, _RequestBlocks] = {}
+        self._requests: dict[str, RequestBlocks] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
         # The hashes computed by the last get_computed_blocks, reused by the allocate_slots that follows.
         self._lookup_memo: tuple[Request, int, list[bytes]] | None = None
@@ -160,7 +134,7 @@ class KVCacheManager(PoolUsage):
     # The three phases of allocate_slots, separate so that a hybrid manager can check the blocks all its groups
     # need together and take every group's prefix hits before any group takes new blocks (which could evict them).
     def plan_allocation(self, request: Request, num_new_tokens: int,
-                        new_computed_blocks: list[KVBlock] | None = None) -> _Plan:
+                        new_computed_blocks: list[KVBlock] | None = None) -> AllocationPlan:
         """Validate and count; no change."""
         if num_new_tokens < 0:
             raise NegativeTokenCountError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -199,7 +173,7 @@ class KVCacheManager(PoolUsage):
             for i in range(max(num_computed // B, state.num_full_blocks), min(num_cur, num_table_blocks)):
                 if cur_blocks[i].ref_cnt > 1:
                     cow_index.append(i)
-        return _Plan(request, state, num_new_tokens, ncb, known_hashes, total, num_new_blocks, cow_index,
+        return AllocationPlan(request, state, num_new_tokens, ncb, known_hashes, total, num_new_blocks, cow_index,
                      num_new_blocks + len(cow_index) + num_revived, state is None)
 
     def release_outside_window(self, request: Request) -> None:
@@ -217,12 +191,12 @@ class KVCacheManager(PoolUsage):
         self._logical_slots -= (end - state.num_null) * self.block_size
         state.num_null = end
 
-    def take_hits(self, plan: _Plan) -> None:
+    def take_hits(self, plan: AllocationPlan) -> None:
         """Hold the prefix-cache hits (before any new block is taken: that could evict them)."""
         if plan.state is not None:
             return
         rid = plan.request.request_id
-        plan.state = self._requests[rid] = _RequestBlocks()
+        plan.state = self._requests[rid] = RequestBlocks()
         self._freed.pop(rid, None)
         self._lookup_memo = None
         ncb = plan.hits
@@ -236,7 +210,7 @@ class KVCacheManager(PoolUsage):
             plan.state.num_null = len(ncb) - len(live)
             self._logical_slots -= plan.state.num_null * self.block_size
 
-    def commit_allocation(self, plan: _Plan) -> list[tuple[int, int]]:
+    def commit_allocation(self, plan: AllocationPlan) -> list[tuple[int, int]]:
         """Take the new blocks and copy-on-write targets (the caller checked that enough are free)."""
         B = self.block_size
         pool = self.block_pool
@@ -270,7 +244,7 @@ class KVCacheManager(PoolUsage):
             self._update_peak()
         return copies
 
-    def _cover(self, state: _RequestBlocks, first_block: int) -> None:
+    def _cover(self, state: RequestBlocks, first_block: int) -> None:
         """Raise the fill of the table's blocks from first_block on to what the table now covers."""
         B, fill, blocks = self.block_size, self._fill, state.blocks
         for i in range(max(first_block, state.num_null), min(len(blocks), cdiv(state.num_tokens, B))):
@@ -298,7 +272,7 @@ class KVCacheManager(PoolUsage):
             return memo[2]
         return []
 
-    def _check_computed_blocks(self, request: Request, state: _RequestBlocks | None, ncb: list[KVBlock],
+    def _check_computed_blocks(self, request: Request, state: RequestBlocks | None, ncb: list[KVBlock],
                                known_hashes: list[bytes]) -> list[bytes]:
         rid = request.request_id
         if not self.enable_prefix_caching:
@@ -308,7 +282,7 @@ class KVCacheManager(PoolUsage):
                 f"new_computed_blocks are only accepted at a request's first allocation ({rid!r} has blocks)")
         return lookup.check_hit_blocks(self.block_pool, request, ncb, known_hashes, self.block_size, self._key.tag)
 
-    def _register_full_blocks(self, request: Request, state: _RequestBlocks, total: int,
+    def _register_full_blocks(self, request: Request, state: RequestBlocks, total: int,
                               known_hashes: list[bytes]) -> None:
         """Blocks whose tokens are now all known become full; with caching they are hashed and cached."""
         B = self.block_size
@@ -335,7 +309,7 @@ class KVCacheManager(PoolUsage):
         if child.request_id in self._requests:
             raise RequestExistsError(f"cannot fork into {child.request_id!r}: it already holds blocks")
         self.block_pool.touch(ps.blocks[ps.num_null:])  # all in use already: no free block is taken
-        self._requests[child.request_id] = _RequestBlocks(
+        self._requests[child.request_id] = RequestBlocks(
             list(ps.blocks), list(ps.block_hashes), ps.num_full_blocks, ps.num_tokens, ps.num_hit_blocks,
             ps.num_null)
         self._freed.pop(child.request_id, None)
