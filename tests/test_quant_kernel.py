@@ -13,7 +13,7 @@ import torch
 from pagedllm.benchmarks.gguf_writer import quantized
 from pagedllm.quantization.tensor import (
     KERNEL_TYPES,
-    PACKED_ROW_BYTES_PER_256,
+    PACKED_TYPES,
     TYPE_IDS,
     QuantTensor,
     kernel_available,
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels 
 
 # every type as the file stores it, and the types the kernel repacks into 16-row groups also in that form
 TYPES = [name for name, _, _ in KERNEL_TYPES.values()]
-PACKED = [KERNEL_TYPES[t][0] for t in PACKED_ROW_BYTES_PER_256]
+PACKED = [KERNEL_TYPES[t][0] for t in sorted(PACKED_TYPES)]
 FORMS = [(t, False) for t in TYPES] + [(t, True) for t in PACKED]
 
 

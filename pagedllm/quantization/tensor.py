@@ -15,10 +15,10 @@ KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
 }
 TYPE_IDS = {name: tid for tid, (name, _, _) in KERNEL_TYPES.items()}
-# Types the kernel repacks at load into 16-row interleaved groups (quant_packed.cpp); a packed matrix has type
-# PACKED_BASE + its file type and (per 256 elements) these bytes per row: the file's, +2.8% for Q4_K.
+# Types the kernel repacks at load into 16-row interleaved groups (quant_packed.cpp: the file's bytes per row,
+# +2.8% for Q4_K); a packed matrix has type PACKED_BASE + its file type.
 PACKED_BASE = 1000
-PACKED_ROW_BYTES_PER_256 = {2: 144, 3: 160, 8: 272, 12: 148}
+PACKED_TYPES = frozenset({TYPE_IDS["Q4_0"], TYPE_IDS["Q4_1"], TYPE_IDS["Q8_0"], TYPE_IDS["Q4_K"]})
 
 
 def runs_as_stored(ggml_type: int, cols: int) -> bool:
@@ -103,8 +103,7 @@ class QuantTensor:
         """This matrix in the kernel's 16-row interleaved form (an owned copy), where its type and shape have
         one; otherwise itself. The packed form is what runs fast at every batch size."""
         rows, cols = self.shape
-        per_256 = PACKED_ROW_BYTES_PER_256.get(self.qtype)
-        if per_256 is None or rows % 16 or cols % KERNEL_TYPES[self.qtype][1] or not kernel_available():
+        if self.qtype not in PACKED_TYPES or rows % 16 or cols % KERNEL_TYPES[self.qtype][1] or not kernel_available():
             return self
         return QuantTensor(kernel_op("quant_pack")(self.data.contiguous(), self.qtype, cols),
                            PACKED_BASE + self.qtype, cols)
