@@ -29,50 +29,6 @@
 namespace pagedllm {
 namespace {
 
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while (!(man & 0x400u)) man <<= 1, --exp;
-    u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float f16_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if QG_VNNI
-  return _cvtsh_ss(h);
-#else
-  return f16_to_f32(h);
-#endif
-}
-
-float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 struct TypeInfo {
   int64_t block, bytes;
 };
@@ -90,15 +46,10 @@ constexpr TypeInfo type_info(int64_t t) {
   }
 }
 
-// K-quants' 12-byte packing of eight 6-bit scales and mins (ggml's get_scale_min_k4).
+// Sub-block j's scale and min of a K-quant super-block with scales at s.
 void scale_min_k4(const uint8_t* s, int j, float d, float dmin, float* scale, float* min) {
   uint8_t sc, m;
-  if (j < 4) {
-    sc = s[j] & 63, m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+  k_scale_min_codes(s, j, &sc, &m);
   *scale = d * sc, *min = -dmin * m;
 }
 
@@ -241,7 +192,7 @@ void quantize_row(const void* x, bool x_f32, int64_t K, int8_t* a, float* al, fl
     const int64_t n = std::min<int64_t>(32, K - k);
     float amax = 0.f;
     for (int64_t i = 0; i < n; ++i) {
-      v[i] = x_f32 ? static_cast<const float*>(x)[k + i] : bf16_to_float(static_cast<const uint16_t*>(x)[k + i]);
+      v[i] = x_f32 ? static_cast<const float*>(x)[k + i] : bf16_to_f32(static_cast<const uint16_t*>(x)[k + i]);
       amax = std::max(amax, std::fabs(v[i]));
     }
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -272,7 +223,7 @@ void store_out(void* out, bool out_f32, int64_t idx, float v) {
   if (out_f32)
     static_cast<float*>(out)[idx] = v;
   else
-    static_cast<uint16_t*>(out)[idx] = float_to_bf16(v);
+    static_cast<uint16_t*>(out)[idx] = f32_to_bf16(v);
 }
 
 // sum_b o16[b] * ao16[b] in 16 lanes (b mod 16), then the lanes in order: the same in both builds

@@ -8,11 +8,39 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace pagedllm {
 
 // ggml type ids (the GGUF file's) this kernel reads.
 enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// The fp16 value stored (unaligned) at p: block scales.
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+// K-quants' 12-byte packing of eight 6-bit scales and mins (ggml's get_scale_min_k4): sub-block j's codes.
+inline void k_scale_min_codes(const uint8_t* s, int j, uint8_t* scale, uint8_t* min) {
+  if (j < 4) {
+    *scale = s[j] & 63, *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
 
 // Weights repacked at load (quant_packed.cpp) have type kPackedBase + their file type.
 constexpr int64_t kPackedBase = 1000;

@@ -58,10 +58,13 @@ constexpr PackedType packed_type(int64_t base) {
 
 constexpr int64_t code_bytes(bool four_bit) { return four_bit ? 256 : 512; }
 
+// Where byte c (0..31) of row `row` sits in a block's code vectors: vector c / 4, lane row, byte c % 4.
+constexpr int64_t lane_byte(int64_t c, int64_t row) { return (c / 4) * 64 + row * 4 + c % 4; }
+
 // ---- packing ------------------------------------------------------------------------------------------------
 // One row's 32 codes (element order, values < 16) into a 4-bit block at lane `row`.
 void place_nibbles(const uint8_t* codes, int64_t row, uint8_t* dst) {
-  for (int c = 0; c < 16; ++c) dst[(c / 4) * 64 + row * 4 + c % 4] = codes[c] | (codes[c + 16] << 4);
+  for (int c = 0; c < 16; ++c) dst[lane_byte(c, row)] = codes[c] | (codes[c + 16] << 4);
 }
 
 void pack_unit(int64_t base, const uint8_t* src, int64_t row, uint8_t* dst) {
@@ -71,13 +74,13 @@ void pack_unit(int64_t base, const uint8_t* src, int64_t row, uint8_t* dst) {
     case kQ4_0:
     case kQ4_1: {
       const uint8_t* qs = src + (base == kQ4_0 ? 2 : 4);  // byte c: element c low, c + 16 high, as placed
-      for (int c = 0; c < 16; ++c) dst[(c / 4) * 64 + row * 4 + c % 4] = qs[c];
+      for (int c = 0; c < 16; ++c) dst[lane_byte(c, row)] = qs[c];
       put_f16(dst + 256 + 2 * row, src);
       if (base == kQ4_1) put_f16(dst + 288 + 2 * row, src + 2);
       return;
     }
     case kQ8_0:
-      for (int e = 0; e < 32; ++e) dst[(e / 4) * 64 + row * 4 + e % 4] = src[2 + e] ^ 0x80;
+      for (int e = 0; e < 32; ++e) dst[lane_byte(e, row)] = src[2 + e] ^ 0x80;
       put_f16(dst + 512 + 2 * row, src);
       return;
     case kQ4_K: {
@@ -87,8 +90,7 @@ void pack_unit(int64_t base, const uint8_t* src, int64_t row, uint8_t* dst) {
         for (int e = 0; e < 32; ++e) codes[e] = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 15;
         uint8_t* blk = dst + 64 + j * 288;
         place_nibbles(codes, row, blk);
-        blk[256 + row] = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);  // ggml's 6-bit packing
-        blk[272 + row] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        k_scale_min_codes(s, j, blk + 256 + row, blk + 272 + row);
       }
       return;
     }
@@ -101,12 +103,6 @@ struct RowBlock {
   float ws, wo;
   const uint8_t* codes;
 };
-
-inline float f16_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return f16_to_f32(h);
-}
 
 RowBlock row_block(int64_t base, const uint8_t* g, int64_t i, int64_t k) {
   const PackedType pt = packed_type(base);
@@ -123,10 +119,9 @@ RowBlock row_block(int64_t base, const uint8_t* g, int64_t i, int64_t k) {
 
 // Element e (0..31) of row i in a block's codes.
 inline int code_at(bool four_bit, const uint8_t* codes, int64_t i, int e) {
-  const int s = e / 4, c = e % 4;
-  if (!four_bit) return codes[s * 64 + i * 4 + c];
-  const uint8_t byte = codes[(s % 4) * 64 + i * 4 + c];
-  return s < 4 ? byte & 15 : byte >> 4;
+  if (!four_bit) return codes[lane_byte(e, i)];
+  const uint8_t byte = codes[lane_byte(e % 16, i)];
+  return e < 16 ? byte & 15 : byte >> 4;
 }
 
 // ---- activations ----------------------------------------------------------------------------------------------
