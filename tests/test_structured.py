@@ -149,8 +149,12 @@ def test_n_samples_each_follow_the_grammar_and_logprobs_are_the_models(llm):
 
 
 def test_preemption_keeps_every_output_valid_and_leaks_nothing(tiny):
-    llm = make_llm(tiny, num_kv_blocks=40, block_size=8)  # 320 slots for 12 requests of ~30 + 100 tokens
+    from transformers import AutoTokenizer
+
     prompts = random_prompts(12, lo=15, hi=25)
+    longest = max(len(ids) for ids in AutoTokenizer.from_pretrained(tiny)(prompts)["input_ids"])
+    # the longest request fits with a few blocks to spare; twelve of them cannot run at once
+    llm = make_llm(tiny, num_kv_blocks=-(-(longest + MAX_TOKENS) // 8) + 4, block_size=8)
     outs = llm.generate(prompts, so(json=SCHEMA), use_tqdm=False)
     stats = llm.kv_cache_stats()
     assert stats["num_preemptions"] > 0
