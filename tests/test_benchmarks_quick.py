@@ -32,8 +32,8 @@ def test_benchmarks_quick(tmp_path):
     assert common.offline_workload(5, prompt_len=(20, 60), output_len=(3, 6), seed=seed).prompts == wl.prompts
 
     # memory: a 256-slot budget holds exactly 2 contiguous reservations of max_model_len 128
-    args = argparse.Namespace(model=None, dtype="float32", seed=seed, kv_budget_tokens=256, max_model_len=128,
-                              max_num_seqs=8)
+    args = argparse.Namespace(model=None, dtype="float32", quantization="none", seed=seed, kv_budget_tokens=256,
+                              max_model_len=128, max_num_seqs=8)
     paged = memory.run_config(wl, args, "paged", 16)
     contig = memory.run_config(wl, args, "contiguous", 16)
     for r in (paged, contig):
@@ -45,8 +45,8 @@ def test_benchmarks_quick(tmp_path):
     assert paged["waste_pct"] < contig["waste_pct"]
 
     # beam: W shared beams / samples hold fewer blocks than W unshared copies; JSON and PNG are written
-    ns = argparse.Namespace(model=None, dtype="float32", seed=seed, threads=2, quick=True, num_prompts=2,
-                            widths="1,3", output_len=4, prompt_len=(20, 60), block_size=16, out_dir=str(tmp_path),
+    ns = argparse.Namespace(model=None, dtype="float32", quantization="none", seed=seed, threads=2, quick=True,
+                            num_prompts=2, widths="1,3", output_len=4, prompt_len=(20, 60), block_size=16, out_dir=str(tmp_path),
                             tag="")
     res = beam.measure(ns)
     w1, w3 = res["results"]
@@ -76,8 +76,8 @@ def test_memory_hybrid_on_a_tiny_sliding_window_model(tmp_path):
     from pagedllm.core.kv_groups import window_blocks
 
     path = make_tiny_model(tmp_path / "gemma3", "gemma3", seed=1)
-    args = argparse.Namespace(model=str(path), dtype="float32", seed=3, threads=2, quick=False, block_size=4,
-                              hybrid_prompt_len=120, hybrid_output_len=24, hybrid_requests=8,
+    args = argparse.Namespace(model=str(path), dtype="float32", quantization="none", seed=3, threads=2, quick=False,
+                              block_size=4, hybrid_prompt_len=120, hybrid_output_len=24, hybrid_requests=8,
                               hybrid_budget_requests=2.0, hybrid_chunk=24, tag="", out_dir=str(tmp_path))
     out = memory_hybrid.measure(args)
     flat, hyb = out["rows"]

@@ -48,7 +48,8 @@ def test_speculative_decoding_greedy_equals_plain_on_the_real_model(llm):
     for spec in ({"method": "ngram", "num_speculative_tokens": 4},
                  {"method": "draft_model", "model": llm.engine.args.model or _default_model(),
                   "num_speculative_tokens": 3}):
-        fast = LLM(dtype="float32", attention_backend="reference", num_kv_blocks=512, speculative_config=spec)
+        fast = LLM(dtype="float32", attention_backend="reference", num_kv_blocks=512, quantization="none",
+                   speculative_config=spec)
         assert [o.outputs[0].token_ids for o in fast.chat(convs, params, use_tqdm=False)] == reference
         assert fast.chat(convs[0], params, use_tqdm=False)[0].outputs[0].token_ids == reference[0]
         stats = fast.engine.spec_decode_stats()

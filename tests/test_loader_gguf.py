@@ -294,7 +294,7 @@ def test_hf_llama3_converted_like_llama_cpp(tmp_path):
     w.write_tensors_to_file()
     w.close()
 
-    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
+    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
     assert ours.config.rope_scaling["rope_type"] == "freq_factors"
     tokens = np.random.default_rng(4).integers(0, V, 40).tolist()
     with torch.no_grad():

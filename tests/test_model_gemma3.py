@@ -27,7 +27,7 @@ def models():
     from transformers import AutoModelForCausalLM
 
     path = str(gemma_pkg.assemble())
-    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
+    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     return ours, hf
@@ -102,7 +102,7 @@ def test_engine_on_the_cpu_kernel(models):
     from pagedllm import LLM, SamplingParams
 
     ours, hf = models
-    llm = LLM(model=ours.path, dtype="float32", attention_backend="cpu", max_num_batched_tokens=256,
+    llm = LLM(model=ours.path, dtype="float32", attention_backend="cpu", quantization="none", max_num_batched_tokens=256,
               num_kv_blocks=960, block_size=16)  # blocks of one KV group (3 layers): 160 blocks of all 18 layers
     assert llm.engine.kv_groups.windows == [None] + [512] * 5
     toks = prompt(540, 3)

@@ -338,12 +338,20 @@ def pyplot():
 def add_common_args(p: argparse.ArgumentParser, quick_help: str = "a small run (< 60 s) for smoke tests") -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_quantization_arg(p)
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="repeat each measured run; medians are reported")
     p.add_argument("--out-dir", default=None, help=f"where JSON and PNG go (default {RESULTS_DIR}/)")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     p.add_argument("--quick", action="store_true", help=quick_help)
+
+
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    # The engine's default runs GGUF weights as stored; these benches compare against peers that dequantize them
+    # (transformers) and their published figures are of the dequantized engine, so they default to "none".
+    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8"],
+                   help="how pagedllm runs the weights (default none: dequantized, as the peers and BENCHMARKS.md)")
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -353,7 +361,7 @@ def int_range(text: str) -> tuple[int, int]:
 
 
 def llm_kwargs(args: argparse.Namespace, **overrides) -> dict:
-    kw = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
+    kw = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "quantization": args.quantization}
     kw.update(overrides)
     return kw
 

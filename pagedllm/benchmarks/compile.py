@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     repeat = 1 if args.quick else args.repeat
-    llm = LLM(dtype="bfloat16", kv_cache_memory="2GiB")
+    llm = LLM(dtype="bfloat16", kv_cache_memory="2GiB", quantization="none")
     compiled = compiled_pointwise()
     eager_code = {key: getattr(*key) for key in compiled}
 

@@ -10,6 +10,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks import common
 
 PROMPT_LEN = 512
 DECODE_TOKENS = 128
@@ -122,6 +123,7 @@ def llama_cpp_speeds(model_path: str, prompt: list[int], repeat: int) -> tuple[f
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    common.add_quantization_arg(p)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -133,7 +135,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     repeat = 2 if args.quick else args.repeat
     sets = ["invariant", "current"] if args.kernels == "both" else [args.kernels]
-    llms = {k: LLM(dtype=args.dtype, kv_cache_memory="2GiB", batch_invariant=k == "invariant") for k in sets}
+    llms = {k: LLM(dtype=args.dtype, kv_cache_memory="2GiB", quantization=args.quantization,
+                 batch_invariant=k == "invariant") for k in sets}
     llm = llms[sets[0]]
     prompt = list(range(PROMPT_LEN))
     bandwidth, matmul = measured_bandwidth(), measured_matmul_rate(llm.engine.runner.model.dtype)

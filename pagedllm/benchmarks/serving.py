@@ -293,7 +293,8 @@ def measure(args: argparse.Namespace) -> dict:
         if srv is not None:
             pass
         elif system == "pagedllm":
-            srv = PagedllmServer(args.model, args.dtype, args.threads, args.server_args.split())
+            srv = PagedllmServer(args.model, args.dtype, args.threads,
+                                 ["--quantization", args.quantization, *args.server_args.split()])
         elif system == "llama-server":
             ctx = max(len(p) + m for w in workloads.values() for p, m in zip(w.prompts, w.output_lens,
                                                                           strict=True)) + 16

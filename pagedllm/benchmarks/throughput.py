@@ -53,7 +53,7 @@ def _run_one(spec: str, wl_path: str, wl: common.Workload, args: argparse.Namesp
     system, _, dtype = spec.partition(":")
     ns = argparse.Namespace(system=system, dtype=dtype or args.dtype, threads=args.threads, model=args.model,
                             gguf=args.gguf, batch_sizes=[int(x) for x in args.hf_batch_sizes.split(",")],
-                            parallel=args.llama_parallel, engine_kwargs=args.engine_kwargs,
+                            parallel=args.llama_parallel, engine_kwargs=_engine_kwargs(args),
                             max_batches=args.hf_max_batches)
     if args.in_process:
         from pagedllm.benchmarks import peers
@@ -66,7 +66,7 @@ def _run_one(spec: str, wl_path: str, wl: common.Workload, args: argparse.Namesp
            "--batch-sizes", args.hf_batch_sizes, "--parallel", str(args.llama_parallel)]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--gguf", args.gguf] if args.gguf else []
-    cmd += ["--engine-kwargs", args.engine_kwargs] if args.engine_kwargs else []
+    cmd += ["--engine-kwargs", ns.engine_kwargs]
     cmd += ["--max-batches", str(args.hf_max_batches)] if args.hf_max_batches else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -78,6 +78,10 @@ def _run_one(spec: str, wl_path: str, wl: common.Workload, args: argparse.Namesp
             return json.load(f)
     finally:
         os.unlink(out)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> str:
+    return json.dumps({"quantization": args.quantization, **json.loads(args.engine_kwargs or "{}")})
 
 
 def _label(r: dict) -> str:

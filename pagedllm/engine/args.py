@@ -42,10 +42,9 @@ class EngineArgs:
     # layer (the "all global" baseline)
     hybrid_kv_cache: bool = True
     attention_backend: str = "auto"
-    # how weights run: "auto" GGUF block formats as stored, "none" dequantized to dtype, "int8" HF weights in int8.
-    # The default stays "none" until the as-stored path matches it in quality with bf16 activations and in batched
-    # throughput (issue #15 is open: see README, quantized weights)
-    quantization: str = "none"
+    # how weights run: "auto" GGUF block formats as stored (HF checkpoints dense), "none" dequantized to dtype (the
+    # oracle the transformers comparisons use), "int8" HF float weights as int8 blocks
+    quantization: str = "auto"
     # the KV cache: "auto" = the compute dtype, "int8" = int8 rows with a float16 scale per (token, KV head):
     # ~1.9x the blocks of bf16 KV in the same kv_cache_memory (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"

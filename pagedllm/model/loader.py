@@ -67,7 +67,7 @@ QUANTIZATION = ("auto", "none", "int8")
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
                attention_backend: str = "auto", load_tokenizer: bool = True,
-               quantization: str = "none") -> LoadedModel:
+               quantization: str = "auto") -> LoadedModel:
     """quantization: "auto" runs GGUF block formats as stored (HF checkpoints as stored, i.e. dense), "none"
     dequantizes everything to `dtype` (the oracle), "int8" quantizes HF float weights to int8 blocks at load."""
     if quantization not in QUANTIZATION:
@@ -135,7 +135,7 @@ def _quantized_method(quantize_floats: bool):
 
 
 def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool,
-             quantization: str = "auto") -> LoadedModel:
+             quantization: str) -> LoadedModel:
     from pagedllm.model import hf_loader
 
     cfg, _ = hf_loader.read_hf_config(path)
@@ -149,7 +149,7 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
 
 
 def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool,
-               quantization: str = "none") -> LoadedModel:
+               quantization: str) -> LoadedModel:
     from pagedllm.model import gguf_loader
 
     f = gguf_loader.read_gguf(path)
