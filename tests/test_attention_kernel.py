@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import build_attention_metadata, get_backend
-from pagedllm.attention.kv_quant import SCALE_BYTES, is_int8, random_pool
+from pagedllm.attention.kv_quant import SCALE_BYTES, is_int8, random_pool, round_queries
 from pagedllm.attention.reference import ReferenceBackend
 
 cpu = pytest.importorskip("pagedllm.attention.cpu")
@@ -40,10 +40,13 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
     return q, k, v, k_cache, v_cache, meta
 
 
-def oracle(q, k, v, k_cache, v_cache, meta, scale, window=None):
+def oracle(q, k, v, k_cache, v_cache, meta, scale, window=None, portable=False):
     """The reference backend in float64 on the values the pool holds (new K/V rounded to the cache dtype, or
-    quantized into int8 rows and dequantized: exact in any float dtype). Writes the new K/V into the caches."""
+    quantized into int8 rows and dequantized: exact in any float dtype). Writes the new K/V into the caches.
+    Over int8 K/V the kernel's VNNI path also rounds q to int8 blocks: the oracle then takes the same rounded q."""
     if is_int8(k_cache):
+        if kernels.rounds_int8_queries(q.shape[-1], portable):
+            q = round_queries(q, scale)
         return ReferenceBackend().forward(q.double(), k, v, k_cache, v_cache, meta, scale, window)
     kv = k_cache.dtype
     k64, v64 = k_cache.double(), v_cache.double()
@@ -63,7 +66,7 @@ def poison(cache: torch.Tensor, block: int) -> None:
 
 def run_both(backend, q, k, v, k_cache, v_cache, meta, scale, window=None):
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
-    ref = oracle(q, k, v, kc_ref, vc_ref, meta, scale, window)
+    ref = oracle(q, k, v, kc_ref, vc_ref, meta, scale, window, backend.portable)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window)
     # the kernel wrote exactly the same K/V as the reference (for int8: the same quantized bytes)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
@@ -131,7 +134,7 @@ def test_sliding_window_matches_reference_and_reads_only_the_window(case, dtype,
     block_size, hq, hkv, d, window, computed, new = case
     gen = torch.Generator().manual_seed(zlib.crc32(repr((case, dtype, kv_dtype, portable)).encode()))
     q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
-    ref = oracle(q, k, v, k_cache, v_cache, meta, d ** -0.5, window)  # leaves the pool as the kernel finds it
+    ref = oracle(q, k, v, k_cache, v_cache, meta, d ** -0.5, window, portable)  # leaves the pool as the kernel finds it
     for r, c in enumerate(computed):
         first = max(0, c - window + 1)  # the first key any query of request r sees
         for b in meta.block_tables[r, :first // block_size].tolist():

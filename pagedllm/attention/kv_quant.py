@@ -50,6 +50,18 @@ def dequantize(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., :d].float() * scale
 
 
+def round_queries(q: torch.Tensor, scale: float, block: int = 32) -> torch.Tensor:
+    """q [..., D] as the C++ kernel's int8 dot path sees it over an int8 cache (kernels/csrc/attention_dot_int8.cpp):
+    times scale * log2(e) in float32, rounded to int8 per block of 32 (block scale max|x| / 127), and back. The
+    oracle on these queries is what that path computes, to rounding. -> float64, in q's units."""
+    qscale = torch.tensor(scale, dtype=torch.float32) * torch.tensor(1.4426950408889634, dtype=torch.float32)
+    x = (q.float() * qscale).unflatten(-1, (-1, block))
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, QMAX / amax, 0.0)
+    codes = (x * inv).round()
+    return (codes.double() * (amax / QMAX).double() / qscale.double()).flatten(-2)
+
+
 def as_float(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows read from a pool (int8 or float) in dtype: the attention oracle's view of the cache."""
     return (dequantize(cache_rows) if is_int8(cache_rows) else cache_rows).to(dtype)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.kv_quant import as_float, quantize
+from pagedllm.attention.kv_quant import as_float, is_int8, quantize, round_queries
 from pagedllm.attention.metadata import build_attention_metadata
 
 
@@ -202,7 +202,12 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, 
 
 def _contiguous_sdpa(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx: int,
                      scale: float) -> torch.Tensor:
-    """SDPA in fp32 over the values a pool holds (dequantized for int8), laid out contiguously."""
+    """SDPA in fp32 over the values a pool holds (dequantized for int8, with q rounded as the kernel rounds it
+    there), laid out contiguously."""
+    from pagedllm import kernels
+
+    if is_int8(k_cache) and kernels.rounds_int8_queries(q4.shape[-1]):
+        q4 = round_queries(q4, scale)
     k = as_float(k_cache[tables].flatten(1, 2)[:, :ctx], torch.float32).transpose(1, 2)
     v = as_float(v_cache[tables].flatten(1, 2)[:, :ctx], torch.float32).transpose(1, 2)
     return F.scaled_dot_product_attention(q4.float(), k, v, scale=scale, enable_gqa=True)

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pagedllm.kernels.build import build_variant, kernel_op, load_ops
-from pagedllm.kernels.paged_attention import paged_attention, write_kv_int8
+from pagedllm.kernels.paged_attention import paged_attention, rounds_int8_queries, write_kv_int8
 
 __all__ = ["batch_invariant", "build_variant", "kernel_mode", "kernel_op", "load_ops", "paged_attention",
-           "set_batch_invariant", "small_gemm_max_rows", "write_kv_int8"]
+           "rounds_int8_queries", "set_batch_invariant", "small_gemm_max_rows", "write_kv_int8"]
 
 _batch_invariant = True
 

@@ -33,6 +33,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def rounds_int8_queries(head_dim: int, portable: bool = False) -> bool:
+    """Whether paged_attention over an int8 KV cache rounds q to int8 for this head size (VNNI q . k, see
+    attention/kv_quant.round_queries) rather than dequantizing K."""
+    return not portable and bool(load_ops().attention_rounds_int8_queries(head_dim))
+
+
 def write_kv_int8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Quantize the new K/V [T,Hkv,D] and scatter them into int8 pools at slot_mapping, in one pass (the same

@@ -50,6 +50,11 @@
 #else
 #define PA_AVX512 0
 #endif
+#if PA_AVX512 && defined(__AVX512VNNI__)
+#define PA_INT8_DOT 1  // int8 KV: q . k on vpdpbusd (attention_dot_int8.cpp)
+#else
+#define PA_INT8_DOT 0
+#endif
 
 namespace pagedllm::attn {
 
@@ -158,6 +163,8 @@ using AttendFn = void (*)(const Problem&, const Item&, Scratch&, float*);
 void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partials);
 // ND = head dim / 16, instantiated for head dims 32, 64 and 128.
 template <int ND> void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials);
+constexpr int64_t kDotInt8MaxHeads = 8;  // KV heads one item of the int8 dot path may take (paged_attention.cpp)
+template <int ND> void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partials);
 template <int ND> void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partials);
 template <int ND> void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials);
 template <int ND> void attend_lanes_bf16(const Problem& p, const Item& it, Scratch& s, float* partials);

@@ -33,6 +33,9 @@ inline __m512 load_int8(const int8_t* src) {  // 16 int8 values as fp32
 }
 
 
+inline __m512 load_row16(const float* r) { return _mm512_loadu_ps(r); }
+inline __m512 load_row16(const int8_t* r) { return load_int8(r); }
+
 // Row pointers (fp32) of the next chunk of keys; bf16 rows are widened into kb/vb. Missing keys (past k1) point
 // at the first row so that fixed 16-wide loops stay in bounds (their scores are masked).
 // int8 rows are widened into kb/vb too: scaled here when kscale/vscale are null (the lanes path), else unscaled,
@@ -105,26 +108,109 @@ struct Prefetcher {
   KeyCursor cur;
   int64_t next;  // next key to prefetch
   Prefetcher(const int32_t* table, int64_t bs, int64_t k0) : cur(table, bs, k0), next(k0) {}
-  template <int ND>
-  inline void run(const Problem& p, int64_t h, int64_t c, int64_t k1) {
-    constexpr int D = ND * 16;
+  // Prefetches the rows of KV heads it.h .. it.h + it.nh - 1 (adjacent in a token's row) of the keys up to the
+  // chunk after the one starting at key c, at most max_keys of them: every cache line they touch.
+  inline void run(const Problem& p, const Item& it, int64_t c, int64_t max_keys = kChunk * (1 + PA_PREFETCH_CHUNKS)) {
     const int64_t esz = p.kv_int8 ? 1 : p.kv_bf16 ? 2 : 4;
-    const int64_t row_bytes = p.kv_head_stride * esz;
-    const int64_t target = std::min<int64_t>(k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk);
-    const char* kbase = static_cast<const char*>(p.kc);
-    const char* vbase = static_cast<const char*>(p.vc);
+    const int64_t row_bytes = it.nh * p.kv_head_stride * esz;
+    const int64_t target = std::min<int64_t>({it.k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk, next + max_keys});
+    const uintptr_t kbase = reinterpret_cast<uintptr_t>(p.kc), vbase = reinterpret_cast<uintptr_t>(p.vc);
     for (; next < target; ++next, cur.next()) {
-      const int64_t off = (cur.slot() * p.kv_tok_stride + h * p.kv_head_stride) * esz;
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        _mm_prefetch(kbase + off + b, _MM_HINT_T0);
-        _mm_prefetch(vbase + off + b, _MM_HINT_T0);
+      const int64_t off = (cur.slot() * p.kv_tok_stride + it.h * p.kv_head_stride) * esz;
+      const uintptr_t first = (kbase + off) & ~uintptr_t{63}, last = kbase + off + row_bytes - 1;
+      for (uintptr_t a = first; a <= last; a += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(a - kbase + vbase), _MM_HINT_T0);
       }
     }
   }
 };
 
 // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V[j] for the G rows of one group: all G x ND accumulators stay in
-// registers and each V row is loaded once for the whole group (one row at a time would be a chain of dependent
+// registers and each V row (fp32, or int8 widened in registers) is loaded once for the whole group.
+template <int ND, int G, typename Row>
+inline void accumulate_values(float* acc, const float* alpha, const float* probs, const Row* const* vr, int64_t nv) {
+  constexpr int D = ND * 16;
+  __m512 a[G][ND];
+  for (int g = 0; g < G; ++g) {
+    const __m512 al = _mm512_set1_ps(alpha[g]);
+    for (int e = 0; e < ND; ++e) a[g][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + e * 16), al);
+  }
+  for (int64_t j = 0; j < nv; ++j) {
+    __m512 v[ND];
+    for (int e = 0; e < ND; ++e) v[e] = load_row16(vr[j] + e * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(probs[g * kChunk + j]);
+      for (int e = 0; e < ND; ++e) a[g][e] = _mm512_fmadd_ps(pj, v[e], a[g][e]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; e < ND; ++e) _mm512_storeu_ps(acc + g * D + e * 16, a[g][e]);
+}
+
+// accumulate_values for n <= G rows (G fixed at compile time so that the accumulators are registers).
+template <int ND, int G, typename Row>
+inline void accumulate_rows(int64_t n, float* acc, const float* alpha, const float* probs, const Row* const* vr,
+                            int64_t nv) {
+  if constexpr (G > 1) {
+    if (n < G) return accumulate_rows<ND, G - 1>(n, acc, alpha, probs, vr, nv);
+  }
+  accumulate_values<ND, G>(acc, alpha, probs, vr, nv);
+}
+
+// The dot paths (few rows: decode and short prefills), over a Chunk that loads 16 keys of the item's KV heads at
+// a time and gives each row's 16 scores (base 2) and, per head, the probabilities' scale and the value rows. Per
+// row: scores, online softmax; then the values of the chunk accumulated for groups of rows of one head together.
+template <int ND, typename Chunk>
+void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  constexpr int D = ND * 16;
+  constexpr int kGroup = 16 / ND;  // rows whose accumulators fit in registers together
+  const int64_t rows = item_rows(p, it);
+  float* acc = s.acc.get();
+  float* m = s.m.get();
+  float* l = s.l.get();
+  const int32_t* pos = s.pos.data();
+  start_tile(p, it, s, rows);
+  const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
+  KeyCursor cur(table, p.bs, it.k0);
+  Prefetcher pf(table, p.bs, it.k0);
+  const int64_t per_head = rows / it.nh;
+  Chunk chunk(p, it, s, rows);
+  alignas(64) float probs[kMaxRows * kChunk];  // this chunk's softmax numerators, kChunk per query row
+  alignas(64) float alpha[kMaxRows];           // per row: rescale of the accumulator for the new running max
+  for (int64_t c = it.k0; c < it.k1; c += kChunk) {
+    const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    pf.run(p, it, c, 2);  // the next chunk's keys a few at a time, spread over the rows (a burst stalls the loop)
+    chunk.load(cur, nk);
+    int64_t nv_max = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t nv = std::clamp<int64_t>(pos[i] - c + 1, 0, nk);  // causal: keys up to the row's position
+      nv_max = std::max(nv_max, nv);
+      if (nv == 0) {  // nothing visible in this chunk: the row's state stays as it is
+        alpha[i] = 1.f;
+        _mm512_store_ps(probs + i * kChunk, _mm512_setzero_ps());
+        continue;
+      }
+      pf.run(p, it, c, 2);
+      const int64_t hh = i / per_head;
+      const __m512 sv = chunk.scores(i, hh);
+      const __mmask16 km = static_cast<__mmask16>((1u << nv) - 1u);
+      const float mn = std::max(m[i], _mm512_mask_reduce_max_ps(km, sv));
+      alpha[i] = std::exp2(m[i] - mn);
+      const __m512 pv = _mm512_maskz_mov_ps(km, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+      l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(pv);
+      m[i] = mn;
+      _mm512_store_ps(probs + i * kChunk, _mm512_mul_ps(pv, chunk.prob_scale(hh)));  // int8 V: its scales, else 1
+    }
+    pf.run(p, it, c);
+    for (int64_t hh = 0; hh < it.nh; ++hh)
+      for (int64_t i = hh * per_head; i < (hh + 1) * per_head; i += kGroup)
+        accumulate_rows<ND, kGroup>(std::min<int64_t>(kGroup, (hh + 1) * per_head - i), acc + i * D, alpha + i,
+                                    probs + i * kChunk, chunk.values(hh), nv_max);
+  }
+  finish(p, it, acc, m, l, partials);
+}
+
 #if defined(__AVX512BF16__)
 constexpr int kPairChunk = 32;  // keys per online-softmax step of the bf16 dot path
 

@@ -46,7 +46,7 @@ void attend_lanes(const Problem& p, const Item& it, Scratch& s, float* partials)
   float* kb = s.kbuf.get();
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
-    pf.run<ND>(p, it.h, c, it.k1);
+    pf.run(p, it, c);
     chunk_rows<ND>(p, it.h, cur, nk, true, kb, s.vbuf.get(), kr, vr);
     for (int v = 0; v < nvec; ++v) {
       if (pos[v * 16 + 15] < c) continue;  // positions grow with the row: every row of v is before this chunk

@@ -37,6 +37,9 @@ constexpr int64_t kImplPortable = 1, kImplInvariant = 2;  // bits of the op's im
 #if PA_AVX512
 template <int ND>
 void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) {
+#if PA_INT8_DOT
+  if (p.kv_int8) return attend_dot_int8<ND>(p, it, s, partials);  // every tile, in both modes
+#endif
   if (p.invariant) return attend_dot<ND>(p, it, s, partials);
   const bool lanes = uses_lanes(p, it.t1 - it.t0);
 #if defined(__AVX512BF16__)
@@ -55,6 +58,9 @@ void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) 
 }
 #endif  // PA_AVX512
 
+// Head dims with vector paths (the others take the portable path).
+constexpr bool vector_head_dim(int64_t d) { return d == 32 || d == 64 || d == 128; }
+
 AttendFn pick(int64_t d, int64_t impl) {
 #if PA_AVX512
   if (!(impl & kImplPortable)) {
@@ -68,14 +74,16 @@ AttendFn pick(int64_t d, int64_t impl) {
   return attend_portable;
 }
 
-// The bf16 dot path takes all KV heads of a tile in one item when their rows fit: each key's K and V rows are
-// then read whole (hkv * D contiguous elements), a block of keys as one stream.
+// The bf16 and int8 dot paths take all KV heads of a tile in one item when their rows fit: each key's K and V
+// rows are then read whole (hkv rows side by side), a block of keys as one stream.
 bool one_item_per_token_row(const Problem& p, int64_t impl, int64_t tokens) {
+  if ((impl & kImplPortable) || !vector_head_dim(p.d) || tokens * p.hq > kMaxRows) return false;
+#if PA_INT8_DOT
+  if (p.kv_int8) return p.hkv <= kDotInt8MaxHeads;  // every tile takes the int8 dot path, in both modes
+#endif
 #if PA_AVX512 && defined(__AVX512BF16__)
-  return !(impl & (kImplPortable | kImplInvariant)) && p.q_bf16 && p.kv_bf16 && (p.d == 32 || p.d == 64 || p.d == 128) &&
-         !uses_lanes(p, tokens) && tokens * p.hq <= kMaxRows;
+  return !(impl & kImplInvariant) && p.q_bf16 && p.kv_bf16 && !uses_lanes(p, tokens);
 #else
-  (void)p, (void)impl, (void)tokens;
   return false;
 #endif
 }
@@ -239,6 +247,20 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
 }
 
+// Whether paged_attention over an int8 KV cache rounds q to int8 blocks for heads of this size (the int8 dot
+// path; the portable path dequantizes K instead). Tests pick their oracle by it.
+bool attention_rounds_int8_queries(int64_t head_dim) {
+#if PA_INT8_DOT
+  return vector_head_dim(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 }  // namespace pagedllm
 
-TORCH_LIBRARY(pagedllm_cpu, m) { m.def("paged_attention", &pagedllm::paged_attention); }
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_attention", &pagedllm::paged_attention);
+  m.def("attention_rounds_int8_queries", &pagedllm::attention_rounds_int8_queries);
+}
