@@ -1,12 +1,14 @@
-// Paged attention on the CPU: what the planner (paged_attention.cpp) and the five paths (attention_*.cpp) share.
+// Paged attention on the CPU: what the planner (paged_attention.cpp) and the six paths (attention_*.cpp) share.
 //
 // One work item = (request, KV head, tile of new tokens, slice of the context). All query heads of the KV head's
 // group are handled together, so each K/V row is read once per tile for the whole group (GQA-aware). Softmax is
 // online over chunks of keys; slices of a long context are merged at the end (flash-decoding style).
 //
-// int8 KV (kv_int8): each row is dequantized (value x its row's scale, exact in fp32) as it is loaded, into the
-// same fp32 chunk buffers the bf16 rows are widened into; the fp32 dot and lanes paths and the portable path run
-// on them unchanged (the bf16 paths need a bf16 cache and never see int8).
+// int8 KV (kv_int8): with AVX512-VNNI every tile takes the "int8 dot" path (attention_dot_int8.cpp: q rounded to
+// int8 per 32 values, q . k on vpdpbusd over the rows as stored, an item per request with all its KV heads).
+// Elsewhere each row is dequantized (value x its row's scale, exact in fp32) as it is loaded, into the same fp32
+// chunk buffers the bf16 rows are widened into, and the fp32 dot and lanes paths and the portable path run on them
+// unchanged (the bf16 paths need a bf16 cache and never see int8).
 //
 // Three inner loops, all with fp32 accumulators:
 //   * "dot" path (few query rows, e.g. decode): 16 dot products per row, reduced into one vector of 16 scores;
@@ -27,7 +29,7 @@
 // instead) and exp2 replaces exp.
 //
 // Files: attention_tile.cpp (queries in, results out, the merge of context slices), one file per path
-// (attention_portable / _dot / _dot_bf16 / _lanes / _lanes_bf16.cpp), attention_avx512.h (their vector helpers),
+// (attention_portable / _dot / _dot_int8 / _dot_bf16 / _lanes / _lanes_bf16.cpp), attention_avx512.h (their vector helpers),
 // paged_attention.cpp (the op: checks, work items, context splits, threads).
 #pragma once
 
