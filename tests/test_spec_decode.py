@@ -13,8 +13,9 @@ from test_engine import assert_no_leaks, make_llm, random_prompts, tokens
 from tiny_models import make_tiny_model
 
 from pagedllm import SamplingParams
+from pagedllm.core.request import Request
 from pagedllm.engine.args import EngineArgs
-from pagedllm.engine.speculative import SpeculativeConfig, ngram_lookup
+from pagedllm.engine.speculative import SpeculativeConfig, Speculator, ngram_lookup
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -184,6 +185,46 @@ def test_sampling_distribution_is_unchanged(tiny_dir, params):
         stat, dof = _two_sample_chi_square(Counter(t[pos] for t in runs[0]), Counter(t[pos] for t in runs[1]))
         assert dof >= 2, "too few distinct tokens for a meaningful test"
         assert stat < _chi2_critical(dof), (pos, stat, dof)
+
+
+class _AskedK:
+    """A proposer that records the k asked for and drafts that many tokens."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def propose(self, wanted):
+        for req, k in wanted:
+            self.asked.append(k)
+            req.spec_token_ids = [7] * k
+
+    def retain(self, live_ids):
+        pass
+
+
+def test_adaptive_k_grows_on_full_acceptance_keeps_on_partial_halves_and_pauses_on_none():
+    proposer = _AskedK()
+    spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, disable_by_batch_size=2), proposer)
+    req = Request("r", [1, 2, 3])
+    req.num_computed_tokens = req.num_tokens - 1  # decoding
+
+    def step(accepted: int | None) -> int | None:
+        """One step: the k asked for (None: no draft), then how many of the draft the verification accepted."""
+        before = len(proposer.asked)
+        spec.propose([req], room=lambda r: 100)
+        if len(proposer.asked) == before:
+            return None
+        k = proposer.asked[-1]
+        spec.observe(req, k, k if accepted is None else min(accepted, k))
+        return k
+
+    assert [step(a) for a in (None, 1, 2, 0, None, 0, 0)] == [4, 4, 4, 4, 2, 3, 1]  # full, partial, none: halve
+    assert [step(0) for _ in range(4)] == [None, 1, None, None]  # a rejected one-token draft: pause 1, then 2
+    assert step(None) == 1 and step(None) == 2  # accepted again: grow back
+    spec.propose([req, Request("a", [1]), Request("b", [1])], room=lambda r: 100)  # 3 running > 2: nobody drafts
+    assert len(proposer.asked) == 10
+    req.num_computed_tokens = 0  # prefilling: no draft
+    assert step(None) is None
 
 
 def test_ngram_lookup_and_config_validation():

@@ -7,7 +7,9 @@ engines with the same weights (runs alternate, medians over --repeats):
 - batch: 64 running requests (16 with --quick), half grounded, half open (speculation switches off above
   `disable_by_batch_size`).
 Greedy, so the two engines must produce the same text (the `same` column). Targets: grounded >= 2x, open and
-batch no more than 3% slower. Reports acceptance rate and mean accepted length (tokens per verification).
+batch no more than 3% slower. Reports acceptance rate and mean accepted length (tokens per verification), and the
+rates end to end and of the decode phase alone (first token to last: the prompt's prefill, the same work on both
+engines, left out).
 """
 
 from __future__ import annotations
@@ -59,14 +61,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup", type=common.int_range, default=(2, 4), help="n-gram lengths 'min,max'")
     p.add_argument("--output-len", type=int, default=None, help="tokens per stream (default 256; --quick 48)")
     p.add_argument("--batch", type=int, default=None, help="requests of the batch workload (default 64)")
+    p.set_defaults(quantization="auto")  # the engine's default: both engines run the same weights
 
 
-def _run(llm, prompts: list[str], params) -> tuple[float, list[str], int]:
+def _run(llm, prompts: list[str], params) -> tuple[float, float, list[str], int]:
+    """(seconds end to end, seconds from the first token to the last of the slowest request, texts, tokens)."""
     llm.engine.reset_stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    return elapsed, [o.outputs[0].text for o in outs], sum(len(o.outputs[0].token_ids) for o in outs)
+    decoding = max(o.metrics.last_token_time for o in outs) - min(o.metrics.first_token_time for o in outs)
+    return elapsed, decoding, [o.outputs[0].text for o in outs], sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -89,15 +94,24 @@ def measure(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=olen)
     rows = []
     for name, prompts in workloads.items():
-        times: dict[str, list[float]] = {"plain": [], "spec": []}
-        for _ in range(max(1, args.repeats)):
-            (tp, text_p, n_p), (ts, text_s, n_s) = _run(plain, prompts, params), _run(fast, prompts, params)
-            times["plain"].append(tp)
-            times["spec"].append(ts)
+        times: dict[str, list[float]] = {"plain": [], "spec": [], "plain_dec": [], "spec_dec": []}
+        for rep in range(max(1, args.repeats)):  # alternate which engine runs first (caches, clock drift)
+            if rep % 2:
+                (ts, ds, text_s, n_s), (tp, dp, text_p, n_p) = _run(fast, prompts, params), _run(plain, prompts, params)
+            else:
+                (tp, dp, text_p, n_p), (ts, ds, text_s, n_s) = _run(plain, prompts, params), _run(fast, prompts, params)
+            for key, t in (("plain", tp), ("spec", ts), ("plain_dec", dp), ("spec_dec", ds)):
+                times[key].append(t)
         stats = fast.engine.spec_decode_stats()
         plain_tps, spec_tps = n_p / statistics.median(times["plain"]), n_s / statistics.median(times["spec"])
+        # the decode phase alone: tokens after each request's first over the time they took (the prompt's prefill,
+        # the same for both engines, left out)
+        after_first = n_s - len(prompts)
+        decode_x = statistics.median(times["plain_dec"]) / statistics.median(times["spec_dec"])
         rows.append({"workload": name, "requests": len(prompts), "output_tokens": n_s, "plain_tok_s": plain_tps,
                      "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps,
+                     "plain_decode_tok_s": after_first / statistics.median(times["plain_dec"]),
+                     "spec_decode_tok_s": after_first / statistics.median(times["spec_dec"]), "decode_speedup": decode_x,
                      "acceptance_rate": stats["acceptance_rate"],
                      "mean_accepted_length": stats["mean_accepted_length"], "same": text_p == text_s})
         print(f"{name}: plain {plain_tps:.1f} tok/s, n-gram {spec_tps:.1f} tok/s", file=sys.stderr, flush=True)

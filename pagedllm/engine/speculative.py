@@ -139,7 +139,10 @@ class Speculator:
             self.proposer.propose(wanted)
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
-        """Adapt the request's k to how its last draft fared."""
+        """Adapt the request's k to how its last draft fared: all accepted, one more next time; some, the same k
+        (below disable_by_batch_size a verification costs little more than a decode step: the weights are read
+        once for all its rows, so a longer draft that is partly wrong still pays); none, half; a one-token draft
+        rejected, a pause that doubles each time it happens again."""
         pace = self._pace.get(request.request_id)
         if pace is None or not self.config.adaptive:
             return
@@ -147,7 +150,7 @@ class Speculator:
             pace.k = min(self.config.num_speculative_tokens, pace.k + 1)
             pace.backoff = 0
         elif num_accepted:
-            pace.k = num_accepted + 1
+            pace.backoff = 0
         elif pace.k > 1:
             pace.k //= 2
         else:  # even one-token drafts fail: pause, longer each time

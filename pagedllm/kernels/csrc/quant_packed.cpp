@@ -294,8 +294,11 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
       const uint8_t* gw = w + g * group_bytes;
       int64_t m = 0;
       for (; m + 8 <= M; m += 8) tile<base, 8>(gw, A, m, out, out_f32, ldo, g * kGroupRows);
-      for (; m + 4 <= M; m += 4) tile<base, 4>(gw, A, m, out, out_f32, ldo, g * kGroupRows);
-      switch (M - m) {
+      switch (M - m) {  // the rest in one tile: the group's codes unpacked once (a verification of k drafts: k + 1)
+        case 7: tile<base, 7>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+        case 6: tile<base, 6>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+        case 5: tile<base, 5>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+        case 4: tile<base, 4>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
         case 3: tile<base, 3>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
         case 2: tile<base, 2>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
         case 1: tile<base, 1>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
