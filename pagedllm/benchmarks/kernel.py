@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.kv_quant import as_float, is_int8, quantize, round_queries
 from pagedllm.attention.metadata import build_attention_metadata
+from pagedllm.benchmarks import common
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -242,10 +243,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    run(p.parse_args(argv))
-    return 0
+    return common.bench_main("kernel", __doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -216,10 +216,7 @@ def _has_llama_cpp() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    run(p.parse_args(argv))
-    return 0
+    return common.bench_main("realistic", __doc__, add_args, run, argv)
 
 
 if __name__ == "__main__":
