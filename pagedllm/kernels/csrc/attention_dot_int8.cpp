@@ -20,6 +20,27 @@
 
 namespace pagedllm::attn {
 
+// reduce16 (common.h) for the integer lane sums of one 64-byte K vector per key, whose lanes 0-7 and 8-15 belong
+// to q blocks of different scales: the tree's first three levels add lanes of one block only (exact in int32),
+// then each block's sums are converted and scaled (the 128-bit lanes of w alternate block 0, block 1), and the
+// last level adds the blocks. Two conversions and two multiplies per row and chunk instead of sixteen.
+inline __m512 reduce16_scaled(const __m512i* v, __m512 block_scales) {
+  __m512i t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                            _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
+                            _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+  __m512 f[2];
+  for (int k = 0; k < 2; ++k) {
+    w[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * k], u[2 * k + 1], 0x88),
+                            _mm512_shuffle_i32x4(u[2 * k], u[2 * k + 1], 0xDD));
+    f[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(w[k]), block_scales);
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
+}
+
 // vpdpbusd multiplies unsigned by signed bytes: K rows go in as k + 128 (k xor 0x80), and each 4-byte lane's
 // accumulator starts at -128 x (the lane's q codes summed), so that the integer sums are exactly k . q_int8.
 // An item may take several KV heads (kDotInt8MaxHeads; the planner's choice): a token's rows of all heads sit
@@ -36,13 +57,21 @@ struct Int8Chunk {
   alignas(64) int8_t qc[kMaxRows][NZ * 64];        // the tile's rounded query rows (zero past D)
   alignas(64) float lane_scale[kMaxRows][NZ * 16];  // per dpbusd lane: the scale of the q block it covers
   alignas(64) int32_t lane_bias[kMaxRows][NZ * 16];  // per lane: -128 x its 4 q codes summed
+  __m512 block_scales[NZ == 1 ? kMaxRows : 1];  // head dims 32, 64: per 128-bit lane, q block 0, 1, 0, 1's scale
   __m512 ksv[kDotInt8MaxHeads], vsv[kDotInt8MaxHeads];  // the keys' scales per head
 
   Int8Chunk(const Problem& prob, const Item& it, Scratch& s, int64_t rows) : p(prob), h(it.h), nh(it.nh) {
     std::memset(qc, 0, sizeof(qc[0]) * rows);
     std::memset(lane_scale, 0, sizeof(lane_scale[0]) * rows);
     std::memset(lane_bias, 0, sizeof(lane_bias[0]) * rows);
-    for (int64_t i = 0; i < rows; ++i) round_row(s.qbuf.get() + i * D, i);
+    for (int64_t i = 0; i < rows; ++i) {
+      round_row(s.qbuf.get() + i * D, i);
+      if constexpr (NZ == 1) {  // lane_scale's lanes 0 and 8 hold the two blocks' scales (0 past D)
+        const __m128 b0 = _mm_set1_ps(lane_scale[i][0]), b1 = _mm_set1_ps(lane_scale[i][8]);
+        const __m256 pair = _mm256_insertf128_ps(_mm256_castps128_ps256(b0), b1, 1);
+        block_scales[i] = _mm512_insertf32x8(_mm512_castps256_ps512(pair), pair, 1);
+      }
+    }
   }
 
   // One query row (fp32, already times scale * log2 e) to int8 codes, per block of 32: scale = amax / 127.
@@ -98,6 +127,11 @@ struct Int8Chunk {
       qv[z] = _mm512_load_si512(qc[i] + z * 64);
       bias[z] = _mm512_load_si512(lane_bias[i] + z * 16);
       ls[z] = _mm512_load_ps(lane_scale[i] + z * 16);
+    }
+    if constexpr (NZ == 1) {  // head dims 32, 64: integer sums up to the blocks
+      __m512i isum[kChunk];
+      for (int j = 0; j < kChunk; ++j) isum[j] = _mm512_dpbusd_epi32(bias[0], _mm512_load_si512(kx[hh][j]), qv[0]);
+      return _mm512_mul_ps(reduce16_scaled(isum, block_scales[i]), ksv[hh]);
     }
     __m512 sacc[kChunk];
     for (int j = 0; j < kChunk; ++j) {
