@@ -13,6 +13,8 @@ in float32 (8-bit integer times an 11-bit mantissa), so the oracle and the kerne
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SCALE_BYTES = 2  # a float16 scale at the end of every row
@@ -54,7 +56,7 @@ def round_queries(q: torch.Tensor, scale: float, block: int = 32) -> torch.Tenso
     """q [..., D] as the C++ kernel's int8 dot path sees it over an int8 cache (kernels/csrc/attention_dot_int8.cpp):
     times scale * log2(e) in float32, rounded to int8 per block of 32 (block scale max|x| / 127), and back. The
     oracle on these queries is what that path computes, to rounding. -> float64, in q's units."""
-    qscale = torch.tensor(scale, dtype=torch.float32) * torch.tensor(1.4426950408889634, dtype=torch.float32)
+    qscale = torch.tensor(scale, dtype=torch.float32) * torch.tensor(math.log2(math.e), dtype=torch.float32)
     x = (q.float() * qscale).unflatten(-1, (-1, block))
     amax = x.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, QMAX / amax, 0.0)

@@ -211,6 +211,14 @@ void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* part
   finish(p, it, acc, m, l, partials);
 }
 
+// A dot path: path<ND> = attend_dot_chunks over Chunk<ND>, instantiated for every head dim.
+#define PA_DOT_PATH(path, Chunk)                                                 \
+  template <int ND>                                                              \
+  void path(const Problem& p, const Item& it, Scratch& s, float* partials) {     \
+    attend_dot_chunks<ND, Chunk<ND>>(p, it, s, partials);                        \
+  }                                                                              \
+  PA_INSTANTIATE(path)
+
 #if defined(__AVX512BF16__)
 constexpr int kPairChunk = 32;  // keys per online-softmax step of the bf16 dot path
 

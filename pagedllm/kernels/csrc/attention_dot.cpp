@@ -56,12 +56,7 @@ struct WidenedChunk {
   const float* const* values(int64_t /*head*/) const { return vr; }
 };
 
-template <int ND>
-void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
-  attend_dot_chunks<ND, WidenedChunk<ND>>(p, it, s, partials);
-}
-
-PA_INSTANTIATE(attend_dot)
+PA_DOT_PATH(attend_dot, WidenedChunk)
 
 }  // namespace pagedllm::attn
 #endif

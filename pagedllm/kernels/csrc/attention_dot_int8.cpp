@@ -148,12 +148,7 @@ struct Int8Chunk {
   const int8_t* const* values(int64_t hh) const { return vr[hh]; }
 };
 
-template <int ND>
-void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partials) {
-  attend_dot_chunks<ND, Int8Chunk<ND>>(p, it, s, partials);
-}
-
-PA_INSTANTIATE(attend_dot_int8)
+PA_DOT_PATH(attend_dot_int8, Int8Chunk)
 
 }  // namespace pagedllm::attn
 #endif
