@@ -15,9 +15,6 @@
 
 namespace pagedllm::attn {
 
-using pagedllm::bf16_to_f32;
-using pagedllm::f32_to_bf16;
-
 // The dot path's chunk of keys as fp32 rows: float rows in place, bf16 and int8 rows widened into the scratch
 // (int8 unscaled: the K scales go into the scores, the V scales into the probabilities). One KV head per item.
 template <int ND>
