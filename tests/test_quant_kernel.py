@@ -17,6 +17,7 @@ from pagedllm.quantization.tensor import (
     TYPE_IDS,
     QuantTensor,
     kernel_available,
+    pack_stacked,
 )
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels could not be built")
@@ -114,6 +115,18 @@ def test_packed_form_holds_the_files_values(qtype):
     assert packed.nbytes <= 1.03 * raw.nbytes
     x = torch.randn(5, k)
     torch.testing.assert_close(packed.matmul(x), raw.matmul(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", PACKED)
+def test_stacked_packing_is_the_parts_packed_one_after_another(qtype):
+    """A fused q|k|v packs its shards straight into one matrix: the same bytes as packing each and stacking."""
+    k = _cols(qtype)
+    parts = [_weight(qtype, rows, k, seed=7 + i) for i, rows in enumerate((48, 16, 32))]
+    stacked = pack_stacked(parts)
+    assert torch.equal(stacked.data, torch.cat([p.packed().data for p in parts]))
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize().float() for p in parts]))
+    with pytest.raises(ValueError, match="one type"):
+        pack_stacked([parts[0], _weight("Q8_0" if qtype != "Q8_0" else "Q4_0", 16, k, seed=9)])
 
 
 def test_only_whole_groups_are_packed():

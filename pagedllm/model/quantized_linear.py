@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.model.layers import linear
 from pagedllm.model.linear import Linear, LinearMethod, load_dense
-from pagedllm.quantization.tensor import QuantTensor, quantize_q8_0
+from pagedllm.quantization.tensor import QuantTensor, pack_stacked, quantize_q8_0
 
 Segment = QuantTensor | torch.Tensor
 
@@ -38,26 +38,25 @@ class QuantizedLinearMethod(LinearMethod):
         if tuple(tensor.shape) != want:
             raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config ({want})")
         if isinstance(tensor, QuantTensor):
-            layer.segments[shard] = tensor.packed()
+            layer.segments[shard] = tensor  # packed after loading, together with its packable neighbours
         elif self.quantize_floats and tensor.shape[1] % 32 == 0:
-            layer.segments[shard] = quantize_q8_0(tensor).packed()
+            layer.segments[shard] = quantize_q8_0(tensor)
         else:
             dense = torch.empty(want, dtype=layer.compute_dtype)
             load_dense(dense, tensor, name)
             layer.segments[shard] = dense
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """Neighbouring shards packed in one type become one matrix (q|k|v, gate|up: one kernel call, one
-        quantization of the activations): a packed matrix is whole 16-row groups, so joining is concatenation."""
-        merged: list[Segment] = []
+        """Neighbouring packable shards of one type are packed into one matrix (q|k|v, gate|up: one kernel call,
+        one quantization of the activations); a packed matrix is whole 16-row groups, so they simply stack."""
+        runs: list[list[Segment]] = []
         for seg in layer.segments:
-            prev = merged[-1] if merged else None
-            if isinstance(seg, QuantTensor) and seg.is_packed and isinstance(prev, QuantTensor) \
-                    and prev.qtype == seg.qtype:
-                merged[-1] = QuantTensor(torch.cat([prev.data, seg.data]), seg.qtype, seg.cols)
+            prev = runs[-1][-1] if runs else None
+            if _packable(seg) and _packable(prev) and prev.qtype == seg.qtype:
+                runs[-1].append(seg)
             else:
-                merged.append(seg)
-        layer.segments = merged
+                runs.append([seg])
+        layer.segments = [pack_stacked(run) if _packable(run[0]) else run[0] for run in runs]
 
     def fused_segments(self, layer: Linear) -> tuple[list[torch.Tensor], list[int]]:
         """The fused decoder-layer op's view of the weight: segment tensors and their ggml types (0: dense)."""
@@ -94,3 +93,7 @@ def _shard_index(layer: Linear, rows: slice) -> int:
 def weight_bytes(layer: Linear) -> int:
     """Resident bytes of a quantized Linear's weight (for memory reports)."""
     return sum(s.nbytes if isinstance(s, QuantTensor) else s.numel() * s.element_size() for s in layer.segments)
+
+
+def _packable(seg: Segment | None) -> bool:
+    return isinstance(seg, QuantTensor) and seg.packable

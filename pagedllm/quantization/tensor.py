@@ -99,14 +99,17 @@ class QuantTensor:
 
         return dequant.dequantize(self.data.numpy().reshape(-1), self.type_name, self.shape)
 
+    @property
+    def packable(self) -> bool:
+        """Whether the kernel has a 16-row interleaved form for this matrix's type and shape."""
+        rows, cols = self.shape
+        return (self.qtype in PACKED_TYPES and rows % 16 == 0 and cols % KERNEL_TYPES[self.qtype][1] == 0
+                and kernel_available())
+
     def packed(self) -> QuantTensor:
         """This matrix in the kernel's 16-row interleaved form (an owned copy), where its type and shape have
         one; otherwise itself. The packed form is what runs fast at every batch size."""
-        rows, cols = self.shape
-        if self.qtype not in PACKED_TYPES or rows % 16 or cols % KERNEL_TYPES[self.qtype][1] or not kernel_available():
-            return self
-        return QuantTensor(kernel_op("quant_pack")(self.data.contiguous(), self.qtype, cols),
-                           PACKED_BASE + self.qtype, cols)
+        return pack_stacked([self]) if self.packable else self
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, cols] (bf16 or fp32) @ W^T -> [M, rows] of x's dtype (or into out, which may be a column slice)."""
@@ -144,3 +147,13 @@ def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
     q = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
     data = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1).contiguous()
     return QuantTensor(data, TYPE_IDS["Q8_0"], cols)
+
+
+def pack_stacked(parts: list[QuantTensor]) -> QuantTensor:
+    """Packable matrices of one type and width packed into one matrix, their rows stacked in order: a fused
+    q|k|v or gate|up is written once, straight from the memory-mapped file into its final buffer."""
+    first = parts[0]
+    if any(p.qtype != first.qtype or p.cols != first.cols or not p.packable for p in parts):
+        raise ValueError("pack_stacked: the matrices must be packable, of one type and width")
+    data = kernel_op("quant_pack")([p.data.contiguous() for p in parts], first.qtype, first.cols)
+    return QuantTensor(data, PACKED_BASE + first.qtype, first.cols)
