@@ -70,16 +70,10 @@ def default_model_path() -> str:
 
 def normal_token_ids(model_path: str | None = None) -> np.ndarray:
     """Ids of ordinary vocabulary tokens (no special/added/control tokens), from the model's own tokenizer."""
-    from pagedllm.model.loader import load_gguf_tokenizer
+    from pagedllm.model.tokenizer import load_tokenizer
 
-    path = model_path or default_model_path()
-    if path.endswith(".gguf"):
-        tok = load_gguf_tokenizer(path)
-    else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
-    special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    tok = load_tokenizer(model_path or default_model_path())
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
     vocab = len(tok)
     return np.array([i for i in range(vocab) if i not in special], dtype=np.int64)
 

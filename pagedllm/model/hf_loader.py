@@ -68,6 +68,6 @@ def load_hf_tokenizer(model_dir: str):
         logger.warning("%s has no tokenizer files (%s): only token-id prompts will work", model_dir,
                        ", ".join(_TOKENIZER_FILES))
         return None
-    from transformers import AutoTokenizer
+    from pagedllm.model.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)

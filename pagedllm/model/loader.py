@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import importlib.util
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +18,9 @@ from torch import nn
 
 from pagedllm.dtypes import resolve_dtype
 from pagedllm.model import registry
+from pagedllm.model import tokenizer as tokenization
 from pagedllm.model.config import ModelConfig, check_token_ids
 from pagedllm.model.weight_loading import load_weights
-from pagedllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +29,7 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     model: nn.Module  # the registry's model class for the architecture
     config: ModelConfig
-    tokenizer: Any  # a transformers tokenizer with a chat template (None if the checkpoint has none)
+    tokenizer: tokenization.Tokenizer | None  # with the chat template (None if the checkpoint has no tokenizer)
     name: str
     eos_token_ids: list[int]
     dtype: torch.dtype = torch.float32
@@ -159,7 +156,7 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
     method = _quantized_method(quantize_floats=False) if quantization != "none" else None
     weights = gguf_loader.iter_gguf_weights(f, cfg, as_stored=method is not None)
     model = _build(cfg, tdtype, weights, table, attention_backend, method)
-    tok = load_gguf_tokenizer(path) if load_tokenizer else None
+    tok = tokenization.load_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path)
 
@@ -169,36 +166,3 @@ def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:
         cfg.eos_token_ids = [int(tok.eos_token_id)]
 
 
-# ---- GGUF tokenizer, cached on disk ---------------------------------------------------------------------------
-def _file_key(path: str) -> str:
-    st = os.stat(path)
-    ident = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:32]
-
-
-def load_gguf_tokenizer(path: str) -> Any:
-    """transformers builds a tokenizer from a GGUF in seconds; we do it once and keep the result on disk keyed by
-    the file's path, size and mtime, so later loads take ~0.2 s."""
-    from transformers import AutoTokenizer
-
-    target = os.path.join(cache_dir(), "tokenizers", _file_key(path))
-    if os.path.isfile(os.path.join(target, "tokenizer.json")):
-        try:
-            return AutoTokenizer.from_pretrained(target)
-        except Exception as e:  # a damaged cache entry: rebuild it
-            logger.warning("tokenizer cache %s unreadable (%s); rebuilding", target, e)
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                        gguf_file=os.path.basename(path))
-    try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
-        tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)  # atomic: concurrent loaders never see a half-written cache
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # someone else won the race
-    except OSError as e:
-        logger.warning("could not cache the tokenizer under %s: %s", target, e)
-    logger.info("built the GGUF tokenizer in %.1f s (cached for next time)", time.perf_counter() - t0)
-    return tok

@@ -41,7 +41,7 @@ DEFAULT_BACKEND = "llguidance"
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Backend:
-    """A backend over a HF fast tokenizer (the GGUF's is one, built by model/loader.py)."""
+    """A backend over the engine's tokenizer (model/tokenizer.py)."""
     if name == "llguidance":
         from pagedllm.structured.llguidance_backend import LLGuidanceBackend
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from copy import copy
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
@@ -39,8 +39,12 @@ class LLGuidanceBackend:
     name = "llguidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                      eos_token=list(eos_token_ids) or None)
+        # llguidance reads the Rust tokenizer's JSON directly (its `hf` helper would import transformers)
+        backend = copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                                eos_token=list(eos_token_ids) or tokenizer.eos_token_id)
         self.executor = llguidance.LLExecutor(num_threads=max(1, len(os.sched_getaffinity(0))))
 
     def grammar_text(self, params: StructuredOutputsParams) -> str:

@@ -32,7 +32,7 @@ class XGrammarBackend:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        info = xgr.TokenizerInfo.from_huggingface(getattr(tokenizer, "hf", tokenizer), vocab_size=vocab_size,
                                                   stop_token_ids=list(eos_token_ids) or None)
         # our own cache keys compiled grammars (manager.py); xgrammar's would hide cold compile times
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
