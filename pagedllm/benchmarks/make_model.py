@@ -12,7 +12,7 @@ from pagedllm.benchmarks.gguf_writer import FILE_TYPES, SHAPES, write_random_ggu
 
 def cached_model(shape: str, file_type: str) -> str:
     """The benchmark file for (shape, type) under the cache directory, written on first use."""
-    from pagedllm.model.loader import cache_dir
+    from pagedllm.paths import cache_dir
 
     path = os.path.join(cache_dir(), "bench-models", f"random-{shape}.{file_type}.gguf")
     if not os.path.isfile(path):

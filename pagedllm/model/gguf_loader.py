@@ -8,6 +8,7 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -251,7 +252,7 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
         if as_stored and len(info.shape) == 2 and runs_as_stored(info.ggml_type, info.shape[1]):
             rows, cols = info.shape
             w = QuantTensor(bytes_view(f.blob, info.offset, rows, row_bytes(info.ggml_type, cols)),
-                            info.ggml_type, cols)
+                            info.ggml_type, cols, partial(_release_pages, f.blob, info.offset, _nbytes(info)))
         else:
             w = dequantize(f, info)
         if spec.gguf_norm_shift and name.endswith("norm.weight"):
@@ -261,7 +262,8 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
             w = w.rows(_unpermute(torch.arange(w.shape[0]), heads)) if isinstance(w, QuantTensor) \
                 else _unpermute(w, heads)
         yield name, w
-        if as_stored:  # the model holds its own (packed) copy by now: drop the file's pages from our RSS
+        # the model holds its own copy by now (a view of the file is released when it is packed, or kept)
+        if as_stored and not (isinstance(w, QuantTensor) and w.release_source is not None):
             _release_pages(f.blob, info.offset, _nbytes(info))
 
 

@@ -4,7 +4,8 @@ the ops that read it: the quantized GEMM kernel, row gathers for embeddings, deq
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +47,8 @@ class QuantTensor:
     data: torch.Tensor
     qtype: int
     cols: int
+    # for a view of a memory-mapped file: drops the view's pages from the process once a packed copy exists
+    release_source: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -156,4 +159,7 @@ def pack_stacked(parts: list[QuantTensor]) -> QuantTensor:
     if any(p.qtype != first.qtype or p.cols != first.cols or not p.packable for p in parts):
         raise ValueError("pack_stacked: the matrices must be packable, of one type and width")
     data = kernel_op("quant_pack")([p.data.contiguous() for p in parts], first.qtype, first.cols)
+    for p in parts:
+        if p.release_source is not None:
+            p.release_source()
     return QuantTensor(data, PACKED_BASE + first.qtype, first.cols)
