@@ -70,8 +70,12 @@ def _sources(tmp_path) -> dict:
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict:
-    return {name: (load_tokenizer(src), oracle())
-            for name, (src, oracle) in _sources(tmp_path_factory.mktemp("tok")).items()}
+    """Each source loaded by us with an empty tokenizer cache (GGUF vocabularies are converted here), and by
+    transformers' AutoTokenizer from the original source."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        return {name: (load_tokenizer(src), oracle())
+                for name, (src, oracle) in _sources(tmp_path_factory.mktemp("tok")).items()}
 
 
 def test_same_ids_text_and_special_tokens_as_transformers(pairs):

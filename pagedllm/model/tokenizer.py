@@ -206,7 +206,15 @@ def _source_key(path: str) -> str:
 def _convert_with_transformers(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    if os.path.isfile(path):  # a GGUF file
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                             gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    # A GGUF file: the tokenizer class AutoTokenizer would pick for the architecture, called directly. AutoTokenizer
+    # first parses the whole file with the `gguf` package only to learn the architecture (~5 s for a 1B model).
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    from pagedllm.model.gguf_loader import read_gguf
+
+    arch = read_gguf(path).architecture
+    model_type = "gemma3_text" if arch == "gemma3" else arch  # transformers' name for a text-only Gemma 3
+    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    return cls.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
