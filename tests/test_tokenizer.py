@@ -181,3 +181,17 @@ def test_gguf_tokenizer_is_cached_and_reloads_without_transformers(tmp_path, mon
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)}).stdout.strip()
     assert out == f"{first.encode('hello world')} False"
+
+
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    good = load_tokenizer(default_model_path())
+    with open(os.path.join(good.directory, "tokenizer.json"), "w") as f:
+        f.write("{not json")
+    with caplog.at_level(logging.INFO, logger="pagedllm.model.tokenizer"):
+        again = load_tokenizer(default_model_path())
+    assert any("unreadable" in r.getMessage() for r in caplog.records)
+    assert any("built the tokenizer" in r.getMessage() for r in caplog.records)
+    assert again.directory == good.directory and again.encode("hello world") == good.encode("hello world")

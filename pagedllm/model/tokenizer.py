@@ -171,18 +171,18 @@ def load_tokenizer(path: str) -> Tokenizer:
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return Tokenizer(path)
     target = os.path.join(cache_dir(), "tokenizers", _source_key(path))
-    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+    if os.path.isdir(target):
         try:
             return Tokenizer(target)
         except Exception as e:  # a damaged cache entry: rebuild it
             logger.warning("tokenizer cache %s unreadable (%s); rebuilding", target, e)
+            shutil.rmtree(target, ignore_errors=True)
     t0 = time.perf_counter()
     converted = _convert_with_transformers(path)
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
         converted.save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)  # a damaged entry
         try:
             os.rename(tmp, target)  # atomic: concurrent loaders never see a half-written cache
         except OSError:
