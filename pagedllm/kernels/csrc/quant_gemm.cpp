@@ -311,17 +311,22 @@ struct StoredRow {
 template <int NR, int MR, class Src>
 void dot_tile(Src* w, const ActRows& acts, int64_t m0, float (*res)[MR]) {
   const int64_t k64 = acts.k64;
-  __m512 acc[NR][MR];
+  __m512 acc[NR][MR];  // the loops over r and j are unrolled so that acc[][] stays in registers
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k64; k += 64) {
     __m512i q[NR];
     __m512 s[NR];
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) w[r].chunk(k, q[r], s[r]);
+#pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) {
       const int64_t row = (m0 + j) * k64;
       const __m512i a = _mm512_loadu_si512(acts.a.data() + row + k);
       const __m512 al = _mm512_loadu_ps(acts.al.data() + (row + k) / 4);
+#pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[r], a);
         acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[r], al), acc[r][j]);
