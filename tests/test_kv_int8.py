@@ -86,7 +86,7 @@ def test_copy_blocks_moves_scales_and_attention_reads_the_copy():
         assert torch.equal(a, b)
         qr = round_queries(q[-1:], 0.125) if kernels.rounds_int8_queries(64) else q[-1:].double()  # the kernel's q
         ref = ReferenceBackend()._attend_one(qr, k_cache, v_cache, meta_copy.block_tables[0], 40, 0.125, None)
-        torch.testing.assert_close(a.double(), ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(a.double(), ref, atol=2e-4, rtol=1e-4)  # VNNI: probabilities rounded to 15 bits
 
 
 # ---- engine (a tiny random model: seconds) ------------------------------------------------------------------------

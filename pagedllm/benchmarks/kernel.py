@@ -146,7 +146,9 @@ def measure(args: argparse.Namespace) -> dict:
         kv = kv_pools.get(name.removeprefix("paged kernel, ").removesuffix(" KV"))
         want = ref if kv is None else _contiguous_sdpa(q4, *kv, tables, ctx, scale)[:, :, 0].float()
         err = (got.float() - want).abs().max().item()
-        assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"{name} disagrees with SDPA: {err}"
+        # int8 KV: the kernel also rounds each chunk's probabilities to 15 bits (attention_dot_int8.cpp)
+        limit = 3e-2 if dtype != torch.float32 else 5e-4 if kv is not None and is_int8(kv[0]) else 1e-4
+        assert err < limit, f"{name} disagrees with SDPA: {err}"
     dec = _time_rounds(fns, args.repeats)
     dec_min = _time_rounds(fns, max(3, args.repeats // 3), warmup=0, stat=min)
     moved = {"paged kernel": kv_bytes, "gather + SDPA": 3 * kv_bytes, "contiguous SDPA": kv_bytes,

@@ -34,8 +34,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def rounds_int8_queries(head_dim: int, portable: bool = False) -> bool:
-    """Whether paged_attention over an int8 KV cache rounds q to int8 for this head size (VNNI q . k, see
-    attention/kv_quant.round_queries) rather than dequantizing K."""
+    """Whether paged_attention over an int8 KV cache runs on integers for this head size (VNNI q . k and p . V:
+    q rounded to int8, see attention/kv_quant.round_queries, and each chunk's probabilities to 15 bits) rather
+    than dequantizing K and V."""
     return not portable and bool(load_ops().attention_rounds_int8_queries(head_dim))
 
 

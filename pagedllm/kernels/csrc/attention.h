@@ -5,7 +5,8 @@
 // online over chunks of keys; slices of a long context are merged at the end (flash-decoding style).
 //
 // int8 KV (kv_int8): with AVX512-VNNI every tile takes the "int8 dot" path (attention_dot_int8.cpp: q rounded to
-// int8 per 32 values, q . k on vpdpbusd over the rows as stored, an item per request with all its KV heads).
+// int8 per 32 values, q . k on vpdpbusd over the rows as stored, p . V on vpdpwssd with the probabilities rounded
+// to 15 bits, an item per request with all its KV heads).
 // Elsewhere each row is dequantized (value x its row's scale, exact in fp32) as it is loaded, into the same fp32
 // chunk buffers the bf16 rows are widened into, and the fp32 dot and lanes paths and the portable path run on them
 // unchanged (the bf16 paths need a bf16 cache and never see int8).

@@ -158,6 +158,19 @@ inline void accumulate_rows(int64_t n, float* acc, const float* alpha, const flo
   accumulate_values<ND, G>(acc, alpha, probs, vr, nv);
 }
 
+// One row's online-softmax step over a chunk of keys: its 16 scores (base 2), of which the first nv are visible.
+// Updates the running max m and sum l; returns the probabilities (0 past nv) and sets alpha, the rescale of the
+// row's accumulator.
+inline __m512 softmax_step(__m512 sv, int64_t nv, float& m, float& l, float& alpha) {
+  const __mmask16 km = static_cast<__mmask16>((1u << nv) - 1u);
+  const float mn = std::max(m, _mm512_mask_reduce_max_ps(km, sv));
+  alpha = std::exp2(m - mn);
+  const __m512 pv = _mm512_maskz_mov_ps(km, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+  l = l * alpha + _mm512_reduce_add_ps(pv);
+  m = mn;
+  return pv;
+}
+
 // The dot paths (few rows: decode and short prefills), over a Chunk that loads 16 keys of the item's KV heads at
 // a time and gives each row's 16 scores (base 2) and, per head, the probabilities' scale and the value rows. Per
 // row: scores, online softmax; then the values of the chunk accumulated for groups of rows of one head together.
@@ -193,13 +206,7 @@ void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* part
       }
       pf.run(p, it, c, 2);
       const int64_t hh = i / per_head;
-      const __m512 sv = chunk.scores(i, hh);
-      const __mmask16 km = static_cast<__mmask16>((1u << nv) - 1u);
-      const float mn = std::max(m[i], _mm512_mask_reduce_max_ps(km, sv));
-      alpha[i] = std::exp2(m[i] - mn);
-      const __m512 pv = _mm512_maskz_mov_ps(km, exp2_ps(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
-      l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(pv);
-      m[i] = mn;
+      const __m512 pv = softmax_step(chunk.scores(i, hh), nv, m[i], l[i], alpha[i]);
       _mm512_store_ps(probs + i * kChunk, _mm512_mul_ps(pv, chunk.prob_scale(hh)));  // int8 V: its scales, else 1
     }
     pf.run(p, it, c);
