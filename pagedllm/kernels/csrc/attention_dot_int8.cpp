@@ -125,7 +125,8 @@ struct Int8Chunk {
         for (int y = 0; y < D / 32; ++y) {
           const auto* r0 = reinterpret_cast<const __m256i*>(vc + row[2 * q] + 32 * y);
           const auto* r1 = reinterpret_cast<const __m256i*>(vc + row[2 * q + 1] + 32 * y);
-          const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(r0)), v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(r1));
+          const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(r0));
+          const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(r1));
           _mm512_store_si512(vw[hh][q][2 * y], _mm512_unpacklo_epi16(v0, v1));
           _mm512_store_si512(vw[hh][q][2 * y + 1], _mm512_unpackhi_epi16(v0, v1));
         }
