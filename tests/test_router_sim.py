@@ -11,7 +11,10 @@ import pytest
 from pagedllm.distributed.routing import make_policy
 from pagedllm.distributed.simulation import ReplicaConfig, TraceConfig, make_trace, simulate
 
-IMBALANCE_BOUND = 3.0  # max / mean queued tokens of prefix affinity (1.6-2.7 over fresh seeds; round-robin 1.2-1.4)
+# max / mean queued tokens of prefix affinity: at 32 replicas 1.7-2.98 over 300 seeds (99th percentile 2.86) and
+# 3.06 once in CI; round-robin 1.2-1.4, and affinity that ignored load would send a hot prefix's whole traffic to one
+# replica (imbalance up to the replica count)
+IMBALANCE_BOUND = 3.5
 
 
 def test_trace_has_multi_turn_and_zipf_structure():
