@@ -57,10 +57,14 @@ def run_pagedllm(wl: common.Workload, dtype: str, model: str | None = None, **en
 
 def _matmul_floor(llm, tokens: int, logit_rows: int, elapsed: float) -> dict:
     """The run's linear-layer FLOPs over the measured matmul rate: every token through every linear once, the
-    LM head once per generated token (attention and everything else counted as free)."""
+    LM head once per generated token (attention and everything else counted as free). Dense weights only: the
+    dense matmul rate is no floor for quantized ones (and their stored sizes are not their FLOPs)."""
     from pagedllm.benchmarks.engine import measured_matmul_rate, model_costs
+    from pagedllm.model.linear import DenseLinearMethod, Linear
 
     model = llm.engine.runner.model
+    if any(isinstance(m, Linear) and not isinstance(m.method, DenseLinearMethod) for m in model.modules()):
+        return {}
     _, flops_per_token = model_costs(llm)
     flops = tokens * flops_per_token + logit_rows * 2 * model.embed.numel()
     rate = measured_matmul_rate(model.dtype)
