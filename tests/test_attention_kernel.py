@@ -176,6 +176,27 @@ def test_strided_q_and_large_scores():
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_dominant_key_and_keys_far_below_it(dtype, kv_dtype):
+    """An attention sink: one key scores ~200 (base 2) above all others, so whole chunks of keys after it have
+    probabilities of ~2^-126 or less (where exp2 bottoms out), which must add nothing rather than garbage."""
+    gen = torch.Generator().manual_seed(17)
+    hq, hkv, d = 9, 3, 64
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, [300, 0, 150], [1, 70, 5], 16, hq, hkv, d, dtype, kv_dtype)
+    q, k = q.float(), k.float()
+    q[:, :, 0] = 40.0  # every query points along dim 0 ...
+    k[:, :, 0] = -2.0  # ... which every new key opposes (scores far below the sink's)
+    k[0, :, 0] = 150.0  # except the prefill's first key: the sink of its request
+    k_cache[..., 0] = -127 if is_int8(k_cache) else -2.0  # cached keys too (an int8 code, its scale positive)
+    q, k = q.to(dtype), k.to(dtype)
+    backend = cpu.CpuAttentionBackend()
+    out, ref = run_both(backend, q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
+    invariant = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, invariant=True)
+    for o in (out, invariant):
+        assert torch.isfinite(o).all()
+        torch.testing.assert_close(o.double(), ref, **tol(dtype, kv_dtype, d))
+
+
 def test_registry_auto_prefers_cpu():
     assert get_backend("auto").name == "cpu"
     assert get_backend("cpu").name == "cpu"

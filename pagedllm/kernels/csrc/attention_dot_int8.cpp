@@ -63,6 +63,7 @@ template <int ND>
 struct Int8Chunk {
   static constexpr int D = ND * 16;
   static constexpr float kProbMax = 32767.f;  // probabilities are rounded to 15 bits per chunk
+  static constexpr float kMinProb = 1e-30f;   // a chunk's largest probability x V scale below this adds nothing
   static constexpr int NZ = (D + 63) / 64;  // 64-byte vectors per row (a 32-wide row fills half of one)
   static constexpr int NT = D / 4;          // transposed K vectors: 4 dims of 16 keys each
   static constexpr int NB = D / 32;         // q blocks
@@ -182,8 +183,10 @@ struct Int8Chunk {
     alignas(32) uint32_t cw[G][kChunk / 2];
     float ps[G];
     for (int g = 0; g < G; ++g) {
+      // A chunk far below the row's running max (exp2_ps gives ~2^-126 there) adds nothing: skipped, for
+      // kProbMax / amax would overflow to inf and turn the codes into garbage.
       const float amax = _mm512_reduce_max_ps(pr[g]);
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? kProbMax / amax : 0.f);
+      const __m512 inv = _mm512_set1_ps(amax > kMinProb ? kProbMax / amax : 0.f);
       _mm256_store_si256(reinterpret_cast<__m256i*>(cw[g]),
                          _mm512_cvtusepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(pr[g], inv))));
       ps[g] = amax / kProbMax;
