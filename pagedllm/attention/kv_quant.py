@@ -55,7 +55,8 @@ def dequantize(rows: torch.Tensor) -> torch.Tensor:
 def round_queries(q: torch.Tensor, scale: float, block: int = 32) -> torch.Tensor:
     """q [..., D] as the C++ kernel's int8 dot path sees it over an int8 cache (kernels/csrc/attention_dot_int8.cpp):
     times scale * log2(e) in float32, rounded to int8 per block of 32 (block scale max|x| / 127), and back. The
-    oracle on these queries is what that path computes, to rounding. -> float64, in q's units."""
+    oracle on these queries is what that path computes, to rounding (of the fp32 sums and of each chunk's
+    probabilities, which that path rounds to 15 bits). -> float64, in q's units."""
     qscale = torch.tensor(scale, dtype=torch.float32) * torch.tensor(math.log2(math.e), dtype=torch.float32)
     x = (q.float() * qscale).unflatten(-1, (-1, block))
     amax = x.abs().amax(-1, keepdim=True)

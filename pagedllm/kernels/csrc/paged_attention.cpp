@@ -247,8 +247,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
 }
 
-// Whether paged_attention over an int8 KV cache rounds q to int8 blocks for heads of this size (the int8 dot
-// path; the portable path dequantizes K instead). Tests pick their oracle by it.
+// Whether paged_attention over an int8 KV cache rounds q to int8 blocks (and the probabilities to 15 bits) for
+// heads of this size (the int8 dot path; the portable path dequantizes K and V instead). Tests pick their oracle
+// and tolerance by it.
 bool attention_rounds_int8_queries(int64_t head_dim) {
 #if PA_INT8_DOT
   return vector_head_dim(head_dim);
