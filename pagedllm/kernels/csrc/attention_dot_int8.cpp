@@ -54,8 +54,9 @@ inline void transpose16(__m512i* r) {
 //     fixed order.
 //   * p . V on vpdpwssd (2 x 2 int16 per lane): a row's 16 probabilities times the keys' V scales are rounded to
 //     15 bits (scale: their max / 32767) and multiply the chunk's V rows widened to int16, 2 keys to a lane (vw).
-//     (8 bits on vpdpbusd ran ~5% faster, but erred by up to 1e-2 on outputs of size ~0.2.) Each chunk's sums are
-//     scaled and added into a float accumulator whose dims sit in the interleave's order (unpermute).
+//     (8 bits on vpdpbusd are faster but too coarse: the keys of a chunk beside its largest one keep a bit or
+//     two.) Each chunk's sums are scaled and added into a float accumulator whose dims sit in the interleave's
+//     order (unpermute).
 // Every row is computed on its own over chunks at fixed key positions, so the path is batch-invariant.
 // An item may take several KV heads (kDotInt8MaxHeads; the planner's choice): a token's rows of all heads sit
 // side by side, and 66-byte int8 rows read one head at a time would pull most cache lines twice.
