@@ -171,9 +171,10 @@ inline __m512 softmax_step(__m512 sv, int64_t nv, float& m, float& l, float& alp
   return pv;
 }
 
-// The dot paths (few rows: decode and short prefills), over a Chunk that loads 16 keys of the item's KV heads at
-// a time and gives each row's 16 scores (base 2) and, per head, the probabilities' scale and the value rows. Per
-// row: scores, online softmax; then the values of the chunk accumulated for groups of rows of one head together.
+// The fp32 dot path (few rows: decode and short prefills; attention_dot.cpp), over a Chunk that loads 16 keys of
+// the item's KV heads at a time and gives each row's 16 scores (base 2) and, per head, the probabilities' scale and
+// the value rows. Per row: scores, online softmax; then the values of the chunk accumulated for groups of rows of
+// one head together. (The int8 dot path runs its own loop: p . V on integers, rows in groups.)
 template <int ND, typename Chunk>
 void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* partials) {
   constexpr int D = ND * 16;
@@ -217,14 +218,6 @@ void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* part
   }
   finish(p, it, acc, m, l, partials);
 }
-
-// A dot path: path<ND> = attend_dot_chunks over Chunk<ND>, instantiated for every head dim.
-#define PA_DOT_PATH(path, Chunk)                                                 \
-  template <int ND>                                                              \
-  void path(const Problem& p, const Item& it, Scratch& s, float* partials) {     \
-    attend_dot_chunks<ND, Chunk<ND>>(p, it, s, partials);                        \
-  }                                                                              \
-  PA_INSTANTIATE(path)
 
 #if defined(__AVX512BF16__)
 constexpr int kPairChunk = 32;  // keys per online-softmax step of the bf16 dot path

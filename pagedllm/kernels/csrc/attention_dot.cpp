@@ -53,7 +53,11 @@ struct WidenedChunk {
   const float* const* values(int64_t /*head*/) const { return vr; }
 };
 
-PA_DOT_PATH(attend_dot, WidenedChunk)
+template <int ND>
+void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials) {
+  attend_dot_chunks<ND, WidenedChunk<ND>>(p, it, s, partials);
+}
+PA_INSTANTIATE(attend_dot)
 
 }  // namespace pagedllm::attn
 #endif
