@@ -10,12 +10,13 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
+from pagedllm.engine.request_stream import RequestFailedError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "StructuredOutputsParams"]
+           "RequestFailedError", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -11,6 +11,7 @@ from pagedllm import kernels
 from pagedllm.attention import build_attention_metadata, get_backend
 from pagedllm.attention.kv_quant import SCALE_BYTES, is_int8, random_pool, round_queries
 from pagedllm.attention.reference import ReferenceBackend
+from pagedllm.kernels import KernelMode
 
 cpu = pytest.importorskip("pagedllm.attention.cpu")
 
@@ -107,15 +108,18 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (tor
 DTYPE_IDS = ["f32", "bf16", "f32-int8kv", "bf16-int8kv"]
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("dtype,kv_dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference(case, dtype, kv_dtype, portable):
+def test_kernel_matches_reference(case, dtype, kv_dtype, portable, invariant):
+    """Every path: dot / lanes / bf16 / int8 / portable, in both kernel modes (the backend takes the forward's)."""
     block_size, hq, hkv, d, computed, new = case
     gen = torch.Generator().manual_seed(zlib.crc32(repr((case, dtype, kv_dtype, portable)).encode()))
     batch = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
     backend = cpu.CpuAttentionBackend(portable=portable)
-    out, ref = run_both(backend, *batch, scale=d ** -0.5)
+    with kernels.kernel_mode(invariant=invariant):
+        out, ref = run_both(backend, *batch, scale=d ** -0.5)
     assert out.dtype == dtype and out.shape == batch[0].shape
     torch.testing.assert_close(out.double(), ref, **tol(dtype, kv_dtype, d, portable))
 
@@ -145,7 +149,7 @@ def test_sliding_window_matches_reference_and_reads_only_the_window(case, dtype,
         first = max(0, c - window + 1)  # the first key any query of request r sees
         for b in meta.block_tables[r, :first // block_size].tolist():
             poison(k_cache, b), poison(v_cache, b)  # blocks a sliding-window cache may have freed: never read
-    out = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, portable=portable, invariant=invariant,
+    out = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, mode=KernelMode(invariant, portable),
                                   window=window)
     torch.testing.assert_close(out.double(), ref, **tol(dtype, kv_dtype, d, portable))
 
@@ -190,8 +194,9 @@ def test_a_dominant_key_and_keys_far_below_it(dtype, kv_dtype):
     k_cache[..., 0] = -127 if is_int8(k_cache) else -2.0  # cached keys too (an int8 code, its scale positive)
     q, k = q.to(dtype), k.to(dtype)
     backend = cpu.CpuAttentionBackend()
-    out, ref = run_both(backend, q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
-    invariant = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, invariant=True)
+    with kernels.kernel_mode(invariant=False):
+        out, ref = run_both(backend, q, k, v, k_cache, v_cache, meta, scale=d ** -0.5)
+    invariant = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, mode=KernelMode(invariant=True))
     for o in (out, invariant):
         assert torch.isfinite(o).all()
         torch.testing.assert_close(o.double(), ref, **tol(dtype, kv_dtype, d))
@@ -217,6 +222,14 @@ def test_build_variant_flags():
     assert name == "avx2" and not any("avx512" in f for f in isa)
     name, isa = kernels.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
     assert name == "avx512" and "-mavx512f" in isa and "-march=native" not in isa
+    best = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}
+    assert kernels.build_variant(best)[0] == "avx512bf16vnni"
+    assert kernels.build_variant(best, forced="avx2") == ("avx2", ["-mavx2", "-mfma"])  # $PAGEDLLM_KERNEL_VARIANT
+    assert kernels.build_variant(best, forced="portable") == ("portable", [])
+    with pytest.raises(RuntimeError, match="lacks avx512f"):
+        kernels.build_variant({"avx2", "fma"}, forced="avx512")
+    with pytest.raises(ValueError, match="not a build variant"):
+        kernels.build_variant(best, forced="native")
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -9,6 +9,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.engine.request_stream import RequestFailedError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -318,7 +319,10 @@ def test_a_failing_model_step_fails_only_the_request_that_causes_it(tiny_dir):
         return execute(scheduled, *args)
 
     llm.engine.runner.execute = faulty
-    outs = llm.generate(prompts[:2] + [poison] + prompts[3:], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestFailedError, match="1 of 5 requests failed in the engine; prompt 2: .*injected fault") \
+            as excinfo:
+        llm.generate(prompts[:2] + [poison] + prompts[3:], GREEDY, use_tqdm=False)  # never an empty text
+    outs = excinfo.value.outputs
     assert "injected fault" in outs[2].error and outs[2].outputs[0].finish_reason == "abort"
     assert [o.error for i, o in enumerate(outs) if i != 2] == [None] * 4
     assert [t for i, t in enumerate(tokens(outs)) if i != 2] == reference[:2] + reference[3:]

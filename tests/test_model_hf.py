@@ -242,9 +242,10 @@ def test_bfloat16_close_to_transformers_bfloat16(pair):
 def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_dependent_kernels):
     """One-token bf16 steps on the C++ backend: where the CPU has avx512_bf16 they run the fused decoder layer
     (decoder_layer.cpp), the prefill before them the torch layers."""
-    from pagedllm.model.layers import bf16_kernel_op
+    from pagedllm.kernels import kernel_op
+    from pagedllm.model.fused_layer import fused_layer_op
 
-    if bf16_kernel_op("decoder_layer_bf16") is None:
+    if kernel_op("decoder_layer_bf16") is None:
         pytest.skip("no avx512_bf16 kernels on this CPU")
     hf16 = pair.hf.to(torch.bfloat16)
     try:
@@ -252,7 +253,7 @@ def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_depend
         toks = _rand_tokens(random.Random(11), 26)
         runner = PagedRunner(ours, dtype=torch.bfloat16, seed=3)
         if ours.config.architecture != "gemma3" and ours.config.sliding_window is None:  # else torch layers
-            assert ours.model._fused_layer_op(torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
+            assert fused_layer_op(ours.model, torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
         seq = Seq(toks)
         runner.step([(seq, 18)])
         got = torch.cat([runner.step([(seq, 1)])[0] for _ in range(8)])

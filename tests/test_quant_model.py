@@ -108,20 +108,20 @@ def test_unknown_quantization_is_rejected(gguf_dir):
 def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
     """The fused C++ decoder layer on quantized segments (C++ attention) against the same model's torch layers:
     same kernels for the linears, so close to the dtype's rounding (and the int8 activations' re-rounding)."""
-    from pagedllm.kernels import kernel_op
-    from pagedllm.model.layers import bf16_kernel_op
+    from pagedllm.kernels import dispatch
+    from pagedllm.model.fused_layer import fused_layer_op, op_name
 
-    if dtype == torch.bfloat16 and bf16_kernel_op("decoder_layer_quant") is None:
-        pytest.skip("no avx512_bf16 fused layer on this CPU")
-    if dtype == torch.float32 and not kernel_op("decoder_layer_f32_available")():
-        pytest.skip("no AVX-512 fused layer on this CPU")
+    if dtype == torch.bfloat16 and not dispatch.has(dispatch.AVX512_BF16):
+        pytest.skip("no avx512_bf16 fused layer on this build")
+    if dispatch.kernel_op("decoder_layer_quant") is None:
+        pytest.skip("no AVX-512 fused layer on this build")
     path = _file(gguf_dir, "Q4_K_M")
     m = load_model(path, dtype, attention_backend="cpu", load_tokenizer=False, quantization="auto")
-    assert m.model.layers[0].fused_op_name() == "decoder_layer_quant"
+    assert op_name(m.model.layers[0].linears()) == "decoder_layer_quant"
     tokens = list(range(11, 40))
-    with kernel_mode(dtype == torch.float32):  # the fp32 layer also runs batch-invariant; the bf16 one does not
+    with kernel_mode(invariant=dtype == torch.float32):  # the fp32 layer also runs batch-invariant; the bf16 one does not
         h = torch.empty(len(tokens), m.config.hidden_size, dtype=dtype)
-        assert m.model._fused_layer_op(h, allocate_kv_caches(m.config, 16, dtype, num_blocks=4)) is not None
+        assert fused_layer_op(m.model, h, allocate_kv_caches(m.config, 16, dtype, num_blocks=4)) is not None
         fused = _prefill_logits(m, tokens, dtype)
         m.model.fused_layers = False
         plain = _prefill_logits(m, tokens, dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels import dispatch
 from pagedllm.model import layers
 
 # the batch-dependent fast paths (batch-invariant mode, the default, does not use them)
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("batch_dependent_kernels")
 
 
 def kernel():
-    op = layers.bf16_kernel_op("small_gemm_bf16")
+    op = dispatch.kernel_op("small_gemm_bf16")
     if op is None:
         pytest.skip("no avx512_bf16 small-GEMM kernel on this CPU")
     return op
@@ -37,7 +38,7 @@ def test_linear_dispatch_uses_kernel_only_for_small_bf16_batches():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(300, 128, generator=g).bfloat16()
     b = torch.randn(300, generator=g).bfloat16()
-    for rows in (1, layers.small_batch_rows(), layers.small_batch_rows() + 1, 40):
+    for rows in (1, dispatch.small_gemm_max_rows(), dispatch.small_gemm_max_rows() + 1, 40):
         x = torch.randn(rows, 128, generator=g).bfloat16()
         got = layers.linear(x, w, b)
         ref = torch.nn.functional.linear(x.float(), w.float(), b.float())

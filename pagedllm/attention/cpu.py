@@ -9,13 +9,15 @@ the kernels; if the build fails, get_backend("auto") logs a warning and falls ba
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedllm.attention import register_backend
 from pagedllm.attention.kv_quant import is_int8
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.reference import copy_blocks, write_kv
-from pagedllm.kernels import load_ops, paged_attention, write_kv_int8
+from pagedllm.kernels import current_mode, load_ops, paged_attention, write_kv_int8
 
 
 class CpuAttentionBackend:
@@ -26,7 +28,7 @@ class CpuAttentionBackend:
 
     def __init__(self, portable: bool = False) -> None:
         load_ops()
-        self.portable = portable
+        self.portable = portable  # the portable path whatever the forward's mode (the vector paths' oracle)
         # the model may run whole decoder layers in C++ (decoder_layer.cpp), which call this kernel's fast path
         self.runs_fused_layers = not portable
 
@@ -34,7 +36,10 @@ class CpuAttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         (write_kv_int8 if is_int8(k_cache) else write_kv)(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale, portable=self.portable, window=window)
+        mode = current_mode()
+        if self.portable:
+            mode = dataclasses.replace(mode, portable=True)
+        return paged_attention(q, k_cache, v_cache, meta, scale, mode=mode, window=window)
 
 
 register_backend("cpu", CpuAttentionBackend, priority=20)

@@ -15,7 +15,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed while processing this request; other requests go on."""
+    """The engine failed while processing this request; other requests go on. Offline (LLM.generate) it is raised
+    once every request has ended, with all of their outputs in `outputs` (the failed ones carry `.error`)."""
+
+    def __init__(self, message: str, outputs: list | None = None) -> None:
+        super().__init__(message)
+        self.outputs = outputs
 
 
 @dataclass

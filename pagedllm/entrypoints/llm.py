@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.request_stream import RequestFailedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -111,6 +112,11 @@ class LLM:
             raise
         finally:
             bar.close()
+        failed = [(i, out) for i, out in enumerate(results) if out is not None and out.error]
+        if failed:  # never an empty text in place of an error: the caller gets every output with the error
+            i, first = failed[0]
+            raise RequestFailedError(f"{len(failed)} of {len(results)} requests failed in the engine; prompt {i}: "
+                                     f"{first.error}", outputs=results)
         return results  # type: ignore[return-value]
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -4,8 +4,8 @@ Build: ninja, -O3 -fopenmp. When the CPU has AVX-512 (F/BW/DQ/VL) the AVX-512 co
 -mavx512* flags (plus -mavx512bf16 where present); otherwise the portable code only, with -mavx2 -mfma where the
 CPU has them and no ISA flags at all if not. Never -march=native, so a cached build is only reused on a CPU with
 the same flags: the build directory (under paths.cache_dir(), else the temp dir) is keyed by the source hash and
-the variant. Callers that cannot do without the kernels (the "cpu" attention backend) see the build error; the
-others (kernel_op) get None and keep a torch path.
+the variant. $PAGEDLLM_KERNEL_VARIANT forces a lesser variant (VARIANTS). Callers that cannot do without the kernels
+(the "cpu" attention backend) see the build error; the others (dispatch.kernel_op) get None and keep a torch path.
 """
 
 from __future__ import annotations
@@ -44,24 +44,37 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def build_variant(flags: set[str] | None = None) -> tuple[str, list[str]]:
-    """(variant name, compiler ISA flags) for this CPU."""
+# Build variants, best first: (name, CPU flags it needs, compiler flags). Each later one is a subset of the earlier.
+_AVX512_ISA = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+VARIANTS: list[tuple[str, tuple[str, ...], list[str]]] = [
+    ("avx512bf16vnni", ("fma", *_AVX512_FLAGS, "avx512_bf16", "avx512_vnni"),
+     [*_AVX512_ISA, "-mavx512bf16", "-mavx512vnni"]),
+    ("avx512bf16", ("fma", *_AVX512_FLAGS, "avx512_bf16"), [*_AVX512_ISA, "-mavx512bf16"]),
+    ("avx512vnni", ("fma", *_AVX512_FLAGS, "avx512_vnni"), [*_AVX512_ISA, "-mavx512vnni"]),  # quant GEMMs' vpdpbusd
+    ("avx512", ("fma", *_AVX512_FLAGS), _AVX512_ISA),
+    ("avx2", ("avx2", "fma"), ["-mavx2", "-mfma"]),  # the portable code, auto-vectorised for AVX2
+    ("portable", (), []),  # no ISA flags at all
+]
+VARIANT_ENV = "PAGEDLLM_KERNEL_VARIANT"
+
+
+def build_variant(flags: set[str] | None = None, forced: str | None = None) -> tuple[str, list[str]]:
+    """(variant name, compiler ISA flags): the best variant this CPU runs, or `forced` (load_ops passes
+    $PAGEDLLM_KERNEL_VARIANT: a lesser build on a better CPU, which is how the avx2 and portable builds are tested)."""
     flags = cpu_flags() if flags is None else flags
-    if all(f in flags for f in _AVX512_FLAGS) and "fma" in flags:
-        isa = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
-        name = "avx512"
-        if "avx512_bf16" in flags:
-            isa.append("-mavx512bf16")
-            name += "bf16"
-        if "avx512_vnni" in flags:  # quant_gemm.cpp's vpdpbusd
-            isa.append("-mavx512vnni")
-            name += "vnni"
-        if "f16c" in flags:  # fp16 block scales
-            isa.append("-mf16c")
-        return name, isa
-    if "avx2" in flags and "fma" in flags:  # portable code, auto-vectorised for AVX2
-        return "avx2", ["-mavx2", "-mfma"]
-    return "portable", []
+    names = [v[0] for v in VARIANTS]
+    if forced and forced not in names:
+        raise ValueError(f"{VARIANT_ENV}={forced!r}: not a build variant (one of {', '.join(names)})")
+    for name, needs, isa in VARIANTS:
+        if forced and name != forced:
+            continue
+        missing = [f for f in needs if f not in flags]
+        if missing and forced:
+            raise RuntimeError(f"{VARIANT_ENV}={forced}: this CPU lacks {', '.join(missing)}")
+        if not missing:
+            # fp16 block scales (every AVX-512 CPU has F16C; -mf16c only where the CPU says so)
+            return name, isa + (["-mf16c"] if name.startswith("avx512") and "f16c" in flags else [])
+    raise AssertionError("the portable variant needs no CPU flag")
 
 
 def _build_dir(name: str) -> Path:
@@ -86,7 +99,7 @@ def load_ops():
         try:
             from torch.utils import cpp_extension
 
-            variant, isa = build_variant()
+            variant, isa = build_variant(forced=os.environ.get(VARIANT_ENV) or None)
             code = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES + HEADERS)
             digest = hashlib.sha256(code + " ".join(isa).encode()).hexdigest()[:12]
             # PAGEDLLM_KERNEL_DEV=1 (kernel development): one fixed build directory, so that ninja recompiles
@@ -104,20 +117,3 @@ def load_ops():
         except Exception as e:  # compiler missing, ninja missing, bad flags...
             _build_error = e
             raise
-
-
-_missing = object()
-_op_cache: dict[str, object] = {}
-
-
-def kernel_op(name: str):
-    """The extension's op `name`, or None where the extension could not be built (no compiler): callers keep a
-    torch path for that case."""
-    op = _op_cache.get(name, _missing)
-    if op is _missing:
-        try:
-            op = getattr(load_ops(), name)
-        except Exception:
-            op = None
-        _op_cache[name] = op
-    return op

@@ -7,37 +7,28 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.kernels.build import load_ops
+from pagedllm.kernels.dispatch import KernelMode, current_mode
 
 if TYPE_CHECKING:  # the kernels sit below attention/: the type only
     from pagedllm.attention.metadata import AttentionMetadata
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, *, portable: bool = False, min_items: int = 0, invariant: bool | None = None,
+                    scale: float, *, mode: KernelMode | None = None, min_items: int = 0,
                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of q [T,Hq,D] over the paged context described by meta (K/V already written). -> [T,Hq,D].
-    invariant: batch-invariant arithmetic (None: the process-wide mode, kernels.batch_invariant()).
+    mode: batch invariance and the portable path (None: the forward's, dispatch.current_mode()).
     window: each query sees only its `window` most recent keys, itself included (None: all of them)."""
-    if invariant is None:
-        from pagedllm.kernels import batch_invariant
-
-        invariant = batch_invariant()
+    mode = current_mode() if mode is None else mode
     ops = load_ops()
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     ops.paged_attention(out, q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.seq_lens),
-                        _int32(meta.query_start_loc), float(scale), int(portable) | int(invariant) << 1, int(min_items),
-                        int(window or 0))
+                        _int32(meta.query_start_loc), float(scale), mode.portable, mode.invariant,
+                        int(min_items), int(window or 0))
     return out
-
-
-def rounds_int8_queries(head_dim: int, portable: bool = False) -> bool:
-    """Whether paged_attention over an int8 KV cache runs on integers for this head size (VNNI q . k and p . V:
-    q rounded to int8, see attention/kv_quant.round_queries, and each chunk's probabilities to 15 bits) rather
-    than dequantizing K and V."""
-    return not portable and bool(load_ops().attention_rounds_int8_queries(head_dim))
 
 
 def write_kv_int8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
-from pagedllm.kernels import batch_invariant
+from pagedllm.kernels import current_mode
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear
@@ -87,7 +87,7 @@ class CausalLM(nn.Module):
             logits = self.embed.matmul(hidden, torch.empty(hidden.shape[0], self.embed.shape[0]))
         elif head is None or type(head.method) is DenseLinearMethod:  # (a subclass may compute otherwise)
             w = self.embed if head is None else head.weight
-            if out is not None and hidden.dtype == torch.float32 and not batch_invariant():
+            if out is not None and hidden.dtype == torch.float32 and not current_mode().invariant:
                 logits = torch.mm(hidden, w.t(), out=out)  # no [N, V] temporary
             else:
                 logits = linear(hidden, w).float()

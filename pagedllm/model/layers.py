@@ -10,42 +10,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_small_gemm_rows: int | None = None  # rows up to which the small GEMM runs (0: not built); None = not asked yet
-
-
-def small_batch_rows() -> int:
-    """Up to this many rows, bf16 linears use the small-GEMM kernel (the limit is defined in C++, where the fused
-    layer applies the same one); 0 where the extension lacks the avx512_bf16 small GEMM."""
-    from pagedllm.kernels import small_gemm_max_rows  # at call time: loading a model builds no kernel
-
-    global _small_gemm_rows
-    if _small_gemm_rows is None:
-        _small_gemm_rows = small_gemm_max_rows()
-    return _small_gemm_rows
-
-
-def bf16_kernel_op(name: str) -> Any:
-    """The extension's op `name` where it has the avx512_bf16 small GEMM (which the bf16 decode ops build on),
-    else None: the model keeps its torch path there."""
-    from pagedllm.kernels import kernel_op
-
-    return kernel_op(name) if small_batch_rows() > 0 else None
+from pagedllm.kernels.dispatch import current_mode, kernel_op, small_gemm_max_rows
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except: in batch-invariant mode (kernels.batch_invariant()) a GEMM whose rows do not depend on
-    the batch (oneDNN's do); else for decode-sized bf16 batches, where oneDNN reads the weights at a fraction of
-    the memory bandwidth, a kernel that streams each weight row once."""
-    from pagedllm.kernels import batch_invariant, kernel_op
-
-    if batch_invariant() and x.dim() == 2 and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
+    """F.linear, except: in batch-invariant mode (the forward's KernelMode) a GEMM whose rows do not depend on
+    the batch (oneDNN's do; every build has one); else for decode-sized bf16 batches, where oneDNN reads the
+    weights at a fraction of the memory bandwidth, a kernel that streams each weight row once."""
+    if current_mode().invariant and x.dim() == 2 and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
         gemm = kernel_op("gemm_invariant")
         if gemm is not None:
             out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
             gemm(out, x.contiguous(), w.contiguous())
             return out if bias is None else out + bias
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= small_batch_rows():
-        gemm = bf16_kernel_op("small_gemm_bf16")
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= small_gemm_max_rows():
+        gemm = kernel_op("small_gemm_bf16")
         if gemm is not None:
             out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
             gemm(out, x.contiguous(), w)

@@ -30,9 +30,15 @@ def load_dense(param: nn.Parameter, tensor: torch.Tensor, name: str, rows: slice
 class LinearMethod:
     """How a Linear stores and computes its weight. Stateless: one instance may serve every layer."""
 
-    # The fused C++ decoder layer reads `layer.weight` as a dense matrix of the model's dtype: only methods that
-    # keep such a weight may run there (a model with any other method runs its layers in torch).
+    # The fused C++ decoder layer reads each weight as `layer.weight` (a dense matrix of the model's dtype) or,
+    # for a segmented method, as fused_segments(): only methods that keep such a weight may run there (a model
+    # with any other method runs its layers in torch; model/fused_layer.py decides).
     runs_fused_layer: bool = False
+    segmented: bool = False
+
+    def fused_segments(self, layer: Linear) -> tuple[list[torch.Tensor], list[int]]:
+        """The fused decoder-layer op's view of the weight: segment tensors and their ggml types (0: dense)."""
+        return [layer.weight], [0]
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         raise NotImplementedError

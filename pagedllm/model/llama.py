@@ -11,12 +11,12 @@ from torch import nn
 
 from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.attention.metadata import per_layer
-from pagedllm.kernels import batch_invariant, kernel_op
-from pagedllm.model import registry
+from pagedllm.kernels import current_mode
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.fused_layer import can_fuse, fused_layer_op
 from pagedllm.model.kv_cache import KVCache
-from pagedllm.model.layers import RMSNorm, RotaryEmbedding, bf16_kernel_op
+from pagedllm.model.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP
 
@@ -42,27 +42,20 @@ class DecoderLayer(nn.Module):
         dispatch) and ~20% of a prefill (their passes over fp32 temporaries)."""
         c = self.attn.cfg
         op(h, *self._fused_weights(), cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
-           meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale,
-           int(batch_invariant()) << 1)  # paged_attention's impl bits
+           meta.seq_lens, meta.query_start_loc, c.num_heads, c.rms_norm_eps, self.attn.scale, current_mode().invariant)
 
-    def fused_op_name(self) -> str:
-        """decoder_layer_bf16 for dense weights; decoder_layer_quant where a linear keeps weight segments (the
-        quantized method), which the op takes as (tensors, ggml types) pairs."""
-        linears = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
-        segmented = any(hasattr(lin.method, "fused_segments") for lin in linears)
-        return "decoder_layer_quant" if segmented else "decoder_layer_bf16"
+    def linears(self) -> tuple[Linear, ...]:
+        return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
 
     def _fused_weights(self) -> tuple:
         """The op's weight arguments in its order, gathered once (the Parameters stay the same objects when
-        weights are loaded, only their data changes)."""
+        weights are loaded, only their data changes): dense matrices for decoder_layer_bf16, (tensors, ggml
+        types) pairs for decoder_layer_quant."""
         if not hasattr(self, "_weights_for_op"):
             a = self.attn
             q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.cfg.qk_norm else (None, None)
-            if self.fused_op_name() == "decoder_layer_bf16":
-                w = {lin: (lin.weight,) for lin in (a.qkv, a.o, self.mlp.gate_up, self.mlp.down)}
-            else:
-                w = {lin: (lin.method.fused_segments(lin) if hasattr(lin.method, "fused_segments")
-                           else ([lin.weight], [0])) for lin in (a.qkv, a.o, self.mlp.gate_up, self.mlp.down)}
+            segmented = any(lin.method.segmented for lin in self.linears())
+            w = {lin: lin.method.fused_segments(lin) if segmented else (lin.weight,) for lin in self.linears()}
             self._weights_for_op = (self.input_norm.weight, *w[a.qkv], a.qkv.bias, q_norm, k_norm, *w[a.o],
                                     a.o.bias, self.post_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down])
         return self._weights_for_op
@@ -76,10 +69,8 @@ class LlamaForCausalLM(CausalLM):
                                     for i in range(cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.fused_layers = True  # one C++ call per layer for bf16 batches where the kernels allow
-        # ... and where the architecture declares that its layer is the fused one, the config uses nothing the
-        # fused op lacks, and every linear keeps a dense weight the op can read
-        self._fused_capable = (registry.spec(cfg.architecture).runs_fused_layer(cfg.features())
-                               and all(m.method.runs_fused_layer for m in self.modules() if isinstance(m, Linear)))
+        # ... and where the model's structure allows it (fused_layer.py decides, per forward)
+        self._fused_capable = can_fuse(cfg, (m for m in self.modules() if isinstance(m, Linear)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -87,26 +78,10 @@ class LlamaForCausalLM(CausalLM):
         """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, self.dtype)
-        fused = self._fused_layer_op(h, kv_caches)
+        fused = fused_layer_op(self, h, kv_caches)
         for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
             if fused is not None:
                 layer.forward_fused(fused, h, cos, sin, kv, m)
             else:
                 h = layer(h, cos, sin, kv, m, self.attn_backend)
         return self.norm(h)
-
-    def _fused_layer_op(self, h: torch.Tensor, kv_caches: list[KVCache]):
-        """The fused decoder-layer op when this model and batch can use it (a capable architecture and config, the
-        C++ attention kernel as backend, KV of the compute dtype), else None: bf16 on a CPU with avx512_bf16 (not
-        in batch-invariant mode: its dense GEMMs switch kernels with the row count), or fp32 with quantized
-        weights (batch-invariant as they are)."""
-        if not (self.fused_layers and self._fused_capable and h.shape[0] > 0 and kv_caches
-                and kv_caches[0][0].dtype == h.dtype and getattr(self.attn_backend, "runs_fused_layers", False)):
-            return None
-        name = self.layers[0].fused_op_name()
-        if h.dtype == torch.bfloat16 and not batch_invariant():
-            return bf16_kernel_op(name)
-        if h.dtype == torch.float32 and name == "decoder_layer_quant":
-            available = kernel_op("decoder_layer_f32_available")
-            return kernel_op(name) if available is not None and available() else None
-        return None

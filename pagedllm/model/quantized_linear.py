@@ -22,6 +22,7 @@ class QuantizedLinearMethod(LinearMethod):
     """GGUF blocks as stored; with quantize_floats, float shards become Q8_0 at load (the int8 mode)."""
 
     runs_fused_layer = True  # through decoder_layer_quant, which takes fused_segments()
+    segmented = True
 
     def __init__(self, quantize_floats: bool = False):
         self.quantize_floats = quantize_floats
@@ -59,7 +60,6 @@ class QuantizedLinearMethod(LinearMethod):
         layer.segments = [pack_stacked(run) if _packable(run[0]) else run[0] for run in runs]
 
     def fused_segments(self, layer: Linear) -> tuple[list[torch.Tensor], list[int]]:
-        """The fused decoder-layer op's view of the weight: segment tensors and their ggml types (0: dense)."""
         segs = layer.segments
         return ([s.data if isinstance(s, QuantTensor) else s for s in segs],
                 [s.qtype if isinstance(s, QuantTensor) else 0 for s in segs])

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.kernels.dispatch import kernel_op
+
 # ggml type id -> (name, elements per block, bytes per block) for the types the kernel runs as stored
 KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34),
@@ -85,7 +87,7 @@ class QuantTensor:
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows at ids, dequantized to dtype (F.embedding for a table kept in blocks)."""
         if self.is_packed:
-            return kernel_op("quant_packed_rows")(self.data, self.qtype, self.cols, ids.reshape(-1)).to(dtype)
+            return required_op("quant_packed_rows")(self.data, self.qtype, self.cols, ids.reshape(-1)).to(dtype)
         return self.rows(ids).dequantize().to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantTensor:
@@ -118,14 +120,13 @@ class QuantTensor:
         """x [M, cols] (bf16 or fp32) @ W^T -> [M, rows] of x's dtype (or into out, which may be a column slice)."""
         if out is None:
             out = torch.empty(x.shape[0], self.data.shape[0], dtype=x.dtype)
-        kernel_op("quant_gemm")(out, x.contiguous(), self.data, self.qtype)
+        required_op("quant_gemm")(out, x.contiguous(), self.data, self.qtype)
         return out
 
 
-def kernel_op(name: str):
-    from pagedllm.kernels import kernel_op as op
-
-    found = op(name)
+def required_op(name: str):
+    """The extension's op `name`; a clear error where it cannot be built (the caller has no torch path)."""
+    found = kernel_op(name)
     if found is None:
         raise RuntimeError("the quantized GEMM kernel is not available (the C++ extension failed to build); "
                            "load with quantization='none'")
@@ -133,9 +134,7 @@ def kernel_op(name: str):
 
 
 def kernel_available() -> bool:
-    from pagedllm.kernels import kernel_op as op
-
-    return op("quant_gemm") is not None
+    return kernel_op("quant_gemm") is not None
 
 
 def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
@@ -158,7 +157,7 @@ def pack_stacked(parts: list[QuantTensor]) -> QuantTensor:
     first = parts[0]
     if any(p.qtype != first.qtype or p.cols != first.cols or not p.packable for p in parts):
         raise ValueError("pack_stacked: the matrices must be packable, of one type and width")
-    data = kernel_op("quant_pack")([p.data.contiguous() for p in parts], first.qtype, first.cols)
+    data = required_op("quant_pack")([p.data.contiguous() for p in parts], first.qtype, first.cols)
     for p in parts:
         if p.release_source is not None:
             p.release_source()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import kernels
 from pagedllm.attention import copy_blocks, get_backend
 from pagedllm.attention.metadata import build_attention_metadata, compute_positions
 from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.scheduler import ScheduledRequest
+from pagedllm.kernels import KernelMode, forward_context
 from pagedllm.model.kv_cache import allocate_kv_caches
 
 
@@ -19,7 +19,7 @@ class ModelRunner:
         """kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8: model/kv_cache.resolve_kv_dtype).
         layout: the KV groups (core/kv_groups.py; None: one group of every layer)."""
         self.model = model
-        self.batch_invariant = batch_invariant
+        self.kernel_mode = KernelMode(invariant=batch_invariant)  # every forward runs in it (engines may differ)
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
         self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks, layout=layout)
@@ -38,7 +38,11 @@ class ModelRunner:
         """Run one step; return float32 logits for the rows that sample (each entry with `samples`: its last
         1 + draft tokens, in order). The logits live in a buffer the next call overwrites.
         block_tables[g][r]: the block table of request r in KV group g."""
-        kernels.set_batch_invariant(self.batch_invariant)  # per step: engines in one process may differ
+        with forward_context(self.kernel_mode):
+            return self._execute(scheduled, block_tables, block_copies)
+
+    def _execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[list[int]]],
+                 block_copies: list[tuple[int, int]]) -> torch.Tensor:
         if block_copies:
             copy_blocks(self.kv_caches, block_copies)
         num_computed = [s.request.num_computed_tokens for s in scheduled]

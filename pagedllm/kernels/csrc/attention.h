@@ -45,19 +45,6 @@
 
 #include "common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) || defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define PA_AVX512 1
-#else
-#define PA_AVX512 0
-#endif
-#if PA_AVX512 && defined(__AVX512VNNI__)
-#define PA_INT8_DOT 1  // int8 KV: q . k on vpdpbusd (attention_dot_int8.cpp)
-#else
-#define PA_INT8_DOT 0
-#endif
 
 namespace pagedllm::attn {
 
@@ -68,6 +55,9 @@ constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
 // A tile with at least this many query rows (tokens x group heads) takes a "lanes" path: its rows fill the 16
 // lanes of a vector. Fewer rows take a "dot" path.
 constexpr int64_t kLanesMinRows = 16;
+// Head dims with vector paths, as a mask of powers of two (the others take the portable path).
+constexpr int64_t kVectorHeadDims = 32 | 64 | 128;
+constexpr bool vector_head_dim(int64_t d) { return d > 0 && (d & (d - 1)) == 0 && (d & kVectorHeadDims); }
 
 struct Problem {
   const void* q;

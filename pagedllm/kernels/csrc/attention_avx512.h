@@ -219,7 +219,7 @@ void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* part
   finish(p, it, acc, m, l, partials);
 }
 
-#if defined(__AVX512BF16__)
+#if PL_AVX512_BF16
 constexpr int kPairChunk = 32;  // keys per online-softmax step of the bf16 dot path
 
 // Raw bf16 row pointers of the next nk keys; missing keys (past the context) point at the first row.

@@ -10,7 +10,7 @@
 
 #include "attention.h"
 
-#if PA_AVX512
+#if PL_AVX512
 #include "attention_avx512.h"
 
 namespace pagedllm::attn {

@@ -14,7 +14,7 @@
 
 #include "attention.h"
 
-#if PA_AVX512 && defined(__AVX512BF16__)
+#if PL_AVX512_BF16
 #include "attention_avx512.h"
 
 namespace pagedllm::attn {

@@ -17,7 +17,7 @@
 
 #include "attention.h"
 
-#if PA_INT8_DOT
+#if PL_VNNI
 #include "attention_avx512.h"
 
 namespace pagedllm::attn {

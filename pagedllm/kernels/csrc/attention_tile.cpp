@@ -63,7 +63,7 @@ void finish(const Problem& p, const Item& it, const float* acc, const float* m, 
     if (p.q_bf16) {
       uint16_t* o = static_cast<uint16_t*>(p.out) + off;
       int64_t e = 0;
-#if defined(__AVX512BF16__)
+#if PL_AVX512_BF16
       const __m512 vinv = _mm512_set1_ps(inv);
       for (; e + 16 <= p.d; e += 16) {
         const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + e), vinv));

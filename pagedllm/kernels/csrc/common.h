@@ -7,9 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 namespace pagedllm {
 
@@ -72,7 +70,7 @@ inline uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>(r);
 }
 
-#if defined(__AVX512F__)
+#if PL_AVX512
 // 16 bf16 values widened to fp32 (a bf16 is the upper half of an fp32's bits).
 inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
@@ -111,24 +109,28 @@ inline __m512 reduce16(const __m512* v) {
 }
 #endif
 
-// paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V (impl 0 = fastest, 1 = portable); window > 0:
-// each query sees only its `window` most recent keys (itself included).
+// How a kernel may compute: Python's kernels.dispatch.KernelMode, which the ops take as its two fields.
+struct KernelMode {
+  bool portable;   // the plain C++ paths only (the oracle of the vector paths)
+  bool invariant;  // batch-invariant: a row's result never depends on the other rows of the batch
+};
+
+// paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V; window > 0: each query sees only its
+// `window` most recent keys (itself included).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl, int64_t min_items,
-                     int64_t window);
+                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, bool portable, bool invariant,
+                     int64_t min_items, int64_t window);
 
 // Up to this many rows a bf16 linear runs on the small GEMM (bandwidth-bound: each weight row streamed once for
 // all rows), beyond on oneDNN. Python reads it through the small_gemm_max_rows op.
 constexpr int64_t kSmallGemmMaxRows = 4;
 
 // gemm.cpp: out[M,N] = x[M,K] @ w[N,K]^T (fp32 or bf16, bf16 = true), every element summed in one fixed order
-// whatever M is (batch-invariant). Only in AVX-512 builds (gemm_invariant_available()).
-bool gemm_invariant_available();
+// whatever M is (batch-invariant). Every build has it (a vector and a portable form).
 void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int64_t M, int64_t N, int64_t K);
 
 // small_gemm.cpp: out[M,N] = x[M,K] @ w[N,K]^T, bf16 in and out, fp32 accumulation, across torch's threads.
-// Only where the build has AVX512-BF16 (small_gemm_available()).
-bool small_gemm_available();
+// Only where the build has AVX512-BF16 (PL_AVX512_BF16).
 void small_gemm_bf16_raw(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K);
 
 }  // namespace pagedllm

@@ -24,20 +24,10 @@
 #include "common.h"
 #include "quant_gemm.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define DL_ENABLED 1  // the fp32 layer
-#else
-#define DL_ENABLED 0
-#endif
-#if DL_ENABLED && defined(__AVX512BF16__)
-#define DL_BF16 1  // the bf16 layer too
-#else
-#define DL_BF16 0
-#endif
 
 namespace {
 
-#if DL_ENABLED
+#if PL_AVX512
 using Bf16 = uint16_t;
 constexpr int64_t kRowsPerTask = 16;  // rows per parallel task of the pointwise stages
 
@@ -49,7 +39,7 @@ inline __mmask16 tail_mask(int64_t remaining) {
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline __m512 round_as(const float*, __m512 v) { return v; }
-#if DL_BF16
+#if PL_AVX512_BF16
 inline __m512 load(const Bf16* p, __mmask16 m) { return pagedllm::widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 
 inline void store(Bf16* p, __m512 v, __mmask16 m) {
@@ -152,7 +142,7 @@ void check_linear(const LinearWeight& w, int64_t rows, int64_t cols, at::ScalarT
   }
 }
 
-#if DL_ENABLED
+#if PL_AVX512
 // out = x @ w^T (+ bias) like the model's linear(). bf16: the bandwidth-bound small GEMM for a few rows (the bias
 // added to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does). fp32:
 // oneDNN, or in batch-invariant mode the fixed-order GEMM (the bias added after).
@@ -214,10 +204,10 @@ void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarTyp
 }
 
 // Which decoder_layer<T> this build has: the fp32 one with AVX-512, the bf16 one with avx512_bf16 too.
-bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? DL_ENABLED : dtype == at::kBFloat16 && DL_BF16; }
+bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : dtype == at::kBFloat16 && PL_AVX512_BF16; }
 
 // h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
-// at slot_mapping before attention reads them. attention_impl: paged_attention's impl bits (batch-invariant).
+// at slot_mapping before attention reads them. invariant: batch-invariant GEMMs and attention (KernelMode).
 template <typename T>
 void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeight& qkv_w,
                    const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
@@ -226,8 +216,8 @@ void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeigh
                    const LinearWeight& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                    at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads, double eps,
-                   double scale, int64_t attention_impl) {
-#if DL_ENABLED
+                   double scale, bool invariant) {
+#if PL_AVX512
   const at::ScalarType dt = h.scalar_type();
   TORCH_CHECK(has_layer(dt) && h.dim() == 2 && h.is_contiguous(),
               "decoder_layer: h must be contiguous [tokens, hidden] of a dtype this build has a layer for, got ", dt);
@@ -258,7 +248,6 @@ void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeigh
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_layer: slot ", slots[m], " out of range");
 
-  const bool invariant = attention_impl & 2;
   const float epsf = static_cast<float>(eps);
   T* hp = data<T>(h);
   const T* qn = q_norm ? data<T>(*q_norm) : nullptr;
@@ -288,7 +277,7 @@ void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeigh
   });
   const at::Tensor q = qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
   pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                            attention_impl, 0, 0);
+                            /*portable=*/false, invariant, 0, 0);
   linear<T>(attn.view({M, q_size}), o_w, o_b, proj, invariant);
   for_rows(M, [&](int64_t m) {  // h += o; then the MLP's norm of the new h
     add_into(hp + m * H, projp + m * H, H);
@@ -314,17 +303,17 @@ void decoder_layer_any(at::Tensor h, const at::Tensor& input_norm, const LinearW
                        const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
                        const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
-                       int64_t attention_impl) {
+                       bool invariant) {
   TORCH_CHECK(has_layer(h.scalar_type()), "decoder_layer: this build has no layer for ", h.scalar_type(),
               " (the model runs its torch layers)");
-#if DL_ENABLED
+#if PL_AVX512
   const auto run = [&](auto tag) {
     decoder_layer<decltype(tag)>(h, input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, down_w,
                                  cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                 num_heads, eps, scale, attention_impl);
+                                 num_heads, eps, scale, invariant);
   };
   if (h.scalar_type() == at::kFloat) return run(float{});
-#if DL_BF16
+#if PL_AVX512_BF16
   run(Bf16{});
 #endif
 #endif
@@ -338,12 +327,12 @@ void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Te
                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
-                        int64_t attention_impl) {
+                        bool invariant) {
   const auto dense = [](const at::Tensor& w) { return LinearWeight{{w}, {kDense}}; };
   TORCH_CHECK(h.scalar_type() == at::kBFloat16, "decoder_layer_bf16: h must be bf16");
   decoder_layer_any(h, input_norm, dense(qkv_w), qkv_b, q_norm, k_norm, dense(o_w), o_b, post_norm, dense(gate_up_w),
                     dense(down_w), cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                    num_heads, eps, scale, attention_impl);
+                    num_heads, eps, scale, invariant);
 }
 
 // The layer with segmented weights (LinearWeight): GGUF blocks run as stored, dense segments as above; h bf16 or
@@ -358,18 +347,15 @@ void decoder_layer_quant(at::Tensor h, const at::Tensor& input_norm, std::vector
                          const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
-                         int64_t attention_impl) {
+                         bool invariant) {
   decoder_layer_any(h, input_norm, {qkv_segs, qkv_types}, qkv_b, q_norm, k_norm, {o_segs, o_types}, o_b, post_norm,
                     {gate_up_segs, gate_up_types}, {down_segs, down_types}, cos, sin, k_cache, v_cache, slot_mapping,
-                    block_tables, seq_lens, query_start_loc, num_heads, eps, scale, attention_impl);
+                    block_tables, seq_lens, query_start_loc, num_heads, eps, scale, invariant);
 }
-
-int64_t decoder_layer_f32_available() { return DL_ENABLED; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("decoder_layer_bf16", &decoder_layer_bf16);
   m.def("decoder_layer_quant", &decoder_layer_quant);
-  m.def("decoder_layer_f32_available", &decoder_layer_f32_available);
 }

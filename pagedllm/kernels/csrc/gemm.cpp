@@ -3,10 +3,11 @@
 // oneDNN (and the small GEMM below its row threshold) pick their kernels and their K blocking by M, so a row's
 // result changes in the last bits with the number of rows in the batch, and a greedy token can flip. Here every
 // output element is computed the same way whatever M is and whichever thread computes it: 16 fp32 lanes, lane l
-// accumulating x[k] * w[k] for k = l (mod 16) in increasing k with FMAs (the K tail loaded as zeros), then the
-// 16 lanes summed by the fixed tree of reduce16. Tiles of up to kTileRows x rows by kTileCols weight rows share
-// their loads; a smaller tile (the last rows, the last columns, a decode step) does the same arithmetic per
-// element. `pagedllm bench throughput --kernels both` compares the model on this kernel with oneDNN.
+// accumulating x[k] * w[k] for k = l (mod 16) in increasing k (the K tail loaded as zeros), then the 16 lanes
+// summed by one fixed tree. Tiles of up to kTileRows x rows by kTileCols weight rows share their loads; a smaller
+// tile (the last rows, the last columns, a decode step) does the same arithmetic per element. AVX-512 builds run it
+// on FMAs and reduce16; every other build has the same scheme in plain C++, so the default (invariant) mode runs
+// on any CPU. `pagedllm bench throughput --kernels both` compares the model on this kernel with oneDNN.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,10 +21,15 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kTileRows = 4;      // x rows per tile
-constexpr int kTileCols = 4;      // weight rows (output columns) per tile: kTileRows x kTileCols accumulators
+constexpr int kLanes = 16;         // partial sums per output element (lane l: k = l mod 16)
 constexpr int64_t kRowBlock = 64;  // x rows widened per pass over a thread's weight rows (they stay in L2)
+#if PL_AVX512
+constexpr int kTileRows = 4;  // x rows per tile
+constexpr int kTileCols = 4;  // weight rows (output columns) per tile: kTileRows x kTileCols accumulators
+#else
+constexpr int kTileRows = 2;  // fewer registers (16 ymm at most): 2 x 2 accumulators of two ymm each
+constexpr int kTileCols = 2;
+#endif
 
 // rows x K elements of src (bf16 or fp32) into dst as fp32 rows of kp floats (kp = K rounded up to 16, zeros).
 void widen_rows(const void* src, bool bf16, int64_t rows, int64_t K, int64_t kp, float* dst) {
@@ -32,7 +38,9 @@ void widen_rows(const void* src, bool bf16, int64_t rows, int64_t K, int64_t kp,
     if (bf16) {
       const uint16_t* s = static_cast<const uint16_t*>(src) + r * K;
       int64_t k = 0;
+#if PL_AVX512
       for (; k + 16 <= K; k += 16) _mm512_storeu_ps(d + k, pagedllm::load_bf16(s + k));
+#endif
       for (; k < K; ++k) d[k] = pagedllm::bf16_to_f32(s[k]);
     } else {
       const float* s = static_cast<const float*>(src) + r * K;
@@ -42,12 +50,13 @@ void widen_rows(const void* src, bool bf16, int64_t rows, int64_t K, int64_t kp,
   }
 }
 
+#if PL_AVX512
 // The R x kTileCols dot products of rows xr[0..R) with wr[0..kTileCols), into sums[i * kTileCols + j].
 template <int R>
 inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sums) {
   __m512 acc[16];
   for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 16) {
+  for (int64_t k = 0; k < kp; k += kLanes) {
     __m512 wv[kTileCols];
     for (int j = 0; j < kTileCols; ++j) wv[j] = _mm512_loadu_ps(wr + j * kp + k);
     for (int i = 0; i < R; ++i) {
@@ -57,6 +66,25 @@ inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sum
   }
   _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
 }
+#else
+// The same scheme in plain C++ (the compiler vectorises the lane loop for the ISA the build allows): 16 lane sums
+// per element in increasing k, then one fixed pairwise tree over the lanes.
+template <int R>
+inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sums) {
+  float acc[R][kTileCols][kLanes] = {};
+  for (int64_t k = 0; k < kp; k += kLanes)
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < kTileCols; ++j)
+        for (int l = 0; l < kLanes; ++l) acc[i][j][l] += xr[i][k + l] * wr[j * kp + k + l];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kTileCols; ++j) {
+      float* a = acc[i][j];
+      for (int half = kLanes / 2; half > 0; half /= 2)
+        for (int l = 0; l < half; ++l) a[l] += a[l + half];
+      sums[i * kTileCols + j] = a[0];
+    }
+}
+#endif
 
 void store(void* out, bool bf16, int64_t idx, float v) {
   if (bf16)
@@ -68,7 +96,7 @@ void store(void* out, bool bf16, int64_t idx, float v) {
 // Output columns [n0, n1) for all M rows.
 void gemm_columns(const void* x, const void* w, void* out, bool bf16, int64_t M, int64_t N, int64_t K, int64_t n0,
                   int64_t n1) {
-  const int64_t kp = (K + 15) / 16 * 16;
+  const int64_t kp = (K + kLanes - 1) / kLanes * kLanes;
   std::vector<float> xbuf(std::min(M, kRowBlock) * kp), wbuf(kTileCols * kp);
   const size_t esz = bf16 ? 2 : 4;
   alignas(64) float sums[16];
@@ -94,22 +122,12 @@ void gemm_columns(const void* x, const void* w, void* out, bool bf16, int64_t M,
     }
   }
 }
-#endif
 
 }  // namespace
 
 namespace pagedllm {
 
-bool gemm_invariant_available() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int64_t M, int64_t N, int64_t K) {
-#if defined(__AVX512F__)
   // columns across threads in whole tiles; a task streams at least ~64 KiB of weights
   const int64_t grain = std::max<int64_t>(kTileCols, (16384 / std::max<int64_t>(K, 1) + kTileCols - 1) / kTileCols *
                                                          kTileCols);
@@ -117,10 +135,6 @@ void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int6
   at::parallel_for(0, tiles, std::max<int64_t>(1, grain / kTileCols), [&](int64_t t0, int64_t t1) {
     gemm_columns(x, w, out, bf16, M, N, K, t0 * kTileCols, std::min(N, t1 * kTileCols));
   });
-#else
-  (void)x, (void)w, (void)out, (void)bf16, (void)M, (void)N, (void)K;
-  TORCH_CHECK(false, "gemm_invariant needs an AVX-512 build");
-#endif
 }
 
 }  // namespace pagedllm
@@ -139,11 +153,6 @@ void gemm_invariant(at::Tensor out, const at::Tensor& x, const at::Tensor& w) {
   pagedllm::gemm_invariant_raw(x.data_ptr(), w.data_ptr(), out.data_ptr(), dt == at::kBFloat16, M, N, K);
 }
 
-int64_t gemm_invariant_available() { return pagedllm::gemm_invariant_available() ? 1 : 0; }
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
-  m.def("gemm_invariant", &gemm_invariant);
-  m.def("gemm_invariant_available", &gemm_invariant_available);
-}
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("gemm_invariant", &gemm_invariant); }

@@ -1,7 +1,7 @@
 // The paged_attention op: checks its tensors, cuts the batch into work items (tiles of query rows x slices of
 // the context), picks a path per item and runs the items on torch's threads. See attention.h for the paths.
 //
-// Batch-invariant mode (impl bit 1): a query row's output must not depend on the other rows of its tile (how the
+// Batch-invariant mode (mode.invariant): a query row's output must not depend on the other rows of its tile (how the
 // prompt was chunked, whether its prefix came from the cache), on the other requests, or on the thread count.
 // Each path computes a row on its own, but the dot and lanes paths sum in different orders, and the context
 // split depends on the batch. So in this mode every tile takes the fp32 dot path (its per-row arithmetic does
@@ -32,17 +32,16 @@ constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kMinKeysToSplit = 512;   // shorter contexts are never split: the merge would cost more
 constexpr int64_t kMinKeysPerSlice = 256;  // no slice shorter than this
 constexpr int64_t kInvariantSliceKeys = 512;  // batch-invariant mode: the fixed slice length (a multiple of kChunk)
-constexpr int64_t kImplPortable = 1, kImplInvariant = 2;  // bits of the op's impl argument
 
-#if PA_AVX512
+#if PL_AVX512
 template <int ND>
 void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) {
-#if PA_INT8_DOT
+#if PL_VNNI
   if (p.kv_int8) return attend_dot_int8<ND>(p, it, s, partials);  // every tile, in both modes
 #endif
   if (p.invariant) return attend_dot<ND>(p, it, s, partials);
   const bool lanes = uses_lanes(p, it.t1 - it.t0);
-#if defined(__AVX512BF16__)
+#if PL_AVX512_BF16
   if (p.q_bf16 && p.kv_bf16) {
     if (lanes)
       attend_lanes_bf16<ND>(p, it, s, partials);
@@ -56,33 +55,30 @@ void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) 
   else
     attend_dot<ND>(p, it, s, partials);
 }
-#endif  // PA_AVX512
+#endif  // PL_AVX512
 
-// Head dims with vector paths (the others take the portable path).
-constexpr bool vector_head_dim(int64_t d) { return d == 32 || d == 64 || d == 128; }
-
-AttendFn pick(int64_t d, int64_t impl) {
-#if PA_AVX512
-  if (!(impl & kImplPortable)) {
+AttendFn pick(int64_t d, KernelMode mode) {
+#if PL_AVX512
+  if (!mode.portable) {
     if (d == 32) return attend_fast<2>;
     if (d == 64) return attend_fast<4>;
     if (d == 128) return attend_fast<8>;
   }
 #endif
   (void)d;
-  (void)impl;
+  (void)mode;
   return attend_portable;
 }
 
 // The bf16 and int8 dot paths take all KV heads of a tile in one item when their rows fit: each key's K and V
 // rows are then read whole (hkv rows side by side), a block of keys as one stream.
-bool one_item_per_token_row(const Problem& p, int64_t impl, int64_t tokens) {
-  if ((impl & kImplPortable) || !vector_head_dim(p.d) || tokens * p.hq > kMaxRows) return false;
-#if PA_INT8_DOT
+bool one_item_per_token_row(const Problem& p, KernelMode mode, int64_t tokens) {
+  if (mode.portable || !vector_head_dim(p.d) || tokens * p.hq > kMaxRows) return false;
+#if PL_VNNI
   if (p.kv_int8) return p.hkv <= kDotInt8MaxHeads;  // every tile takes the int8 dot path, in both modes
 #endif
-#if PA_AVX512 && defined(__AVX512BF16__)
-  return !(impl & kImplInvariant) && p.q_bf16 && p.kv_bf16 && !uses_lanes(p, tokens);
+#if PL_AVX512_BF16
+  return !mode.invariant && p.q_bf16 && p.kv_bf16 && !uses_lanes(p, tokens);
 #else
   return false;
 #endif
@@ -99,11 +95,12 @@ namespace pagedllm {
 using namespace pagedllm::attn;
 
 // out [T, Hq, D] (contiguous, q's dtype) <- attention of q [T, Hq, D] over the paged context.
-// impl: bit 0 = portable (else the best available), bit 1 = batch-invariant. min_items: split long contexts until there are this many work items
+// portable: the plain C++ path only; invariant: batch-invariant arithmetic (common.h, KernelMode). min_items: split long contexts until there are this many work items
 // (0 = kItemsPerThread x threads).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, int64_t impl,
-                     int64_t min_items, int64_t window) {
+                     at::Tensor seq_lens, at::Tensor query_start_loc, double scale, bool portable,
+                     bool invariant, int64_t min_items, int64_t window) {
+  const KernelMode mode{portable, invariant};
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(is_f32(q) || is_bf16(q), "q must be float32 or bfloat16");
@@ -145,7 +142,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   p.qscale = static_cast<float>(scale) * kLog2e;
   p.q_bf16 = is_bf16(q);
   p.kv_bf16 = is_bf16(k_cache);
-  p.invariant = (impl & kImplInvariant) != 0;
+  p.invariant = mode.invariant;
   const int64_t num_slots = k_cache.size(0) * p.bs;
 
   // Tiles: up to kMaxRows rows (tokens x group heads) each.
@@ -168,7 +165,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     for (int32_t t0 = 0; t0 < n; t0 += tile) {
       const int32_t t1 = std::min<int32_t>(n, t0 + tile);
       const int32_t k0 = slide ? std::max<int32_t>(0, len - n + t0 - static_cast<int32_t>(window) + 1) : 0;
-      if (one_item_per_token_row(p, impl, t1 - t0)) {
+      if (one_item_per_token_row(p, mode, t1 - t0)) {
         items.push_back({static_cast<int32_t>(r), 0, t0, t1, k0, len - n + t1, -1, static_cast<int32_t>(p.hkv)});
         continue;
       }
@@ -222,7 +219,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     return (x.k1 - x.k0) * item_rows(p, x) > (y.k1 - y.k0) * item_rows(p, y);
   });
   std::vector<float> partials(partial_floats);
-  const AttendFn fn = pick(p.d, impl);
+  const AttendFn fn = pick(p.d, mode);
   const int64_t nwork = static_cast<int64_t>(work.size());
   // torch's own OpenMP team (at::parallel_for, no num_threads clause: a second team would spin against torch's
   // on a busy machine), one task per thread pulling items from a shared counter (dynamic balance).
@@ -247,21 +244,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   }
 }
 
-// Whether paged_attention over an int8 KV cache rounds q to int8 blocks (and the probabilities to 15 bits) for
-// heads of this size (the int8 dot path; the portable path dequantizes K and V instead). Tests pick their oracle
-// and tolerance by it.
-bool attention_rounds_int8_queries(int64_t head_dim) {
-#if PA_INT8_DOT
-  return vector_head_dim(head_dim);
-#else
-  (void)head_dim;
-  return false;
-#endif
-}
-
 }  // namespace pagedllm
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_attention", &pagedllm::paged_attention);
-  m.def("attention_rounds_int8_queries", &pagedllm::attention_rounds_int8_queries);
 }

@@ -19,12 +19,6 @@
 
 #include "quant_gemm.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define QG_VNNI 1
-#else
-#define QG_VNNI 0
-#endif
 
 namespace pagedllm {
 namespace {
@@ -57,7 +51,7 @@ void scale_min_k4(const uint8_t* s, int j, float d, float dmin, float* scale, fl
 // The nibble split (low half, high half of 16 bytes) is vectorised where the build has AVX-512; the rest is
 // per-block scalar work.
 inline void split_nibbles16(const uint8_t* src, uint8_t* lo, uint8_t* hi) {
-#if QG_VNNI
+#if PL_VNNI
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   const __m128i m = _mm_set1_epi8(0x0f);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm_and_si128(v, m));
@@ -74,7 +68,7 @@ inline void split_nibbles32(const uint8_t* src, uint8_t* lo, uint8_t* hi) {
 
 // or (bit `shift` of each of 32 bytes) << 4 into q[0..32)
 inline void add_high_bit(const uint8_t* bits, int shift, uint8_t* q) {
-#if QG_VNNI
+#if PL_VNNI
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
   const __mmask32 set = _mm256_test_epi8_mask(v, _mm256_set1_epi8(static_cast<char>(1 << shift)));
   const __m256i cur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -86,7 +80,7 @@ inline void add_high_bit(const uint8_t* bits, int shift, uint8_t* q) {
 
 // or (bits shift, shift + 1 of each of 32 bytes) << 4 into q[0..32)
 inline void add_two_bits(const uint8_t* bits, int shift, uint8_t* q) {
-#if QG_VNNI
+#if PL_VNNI
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
   const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(3)), 4);
   const __m256i cur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -228,7 +222,7 @@ void store_out(void* out, bool out_f32, int64_t idx, float v) {
 
 // sum_b o16[b] * ao16[b] in 16 lanes (b mod 16), then the lanes in order: the same in both builds
 float offset_term(const float* o16, const float* ao16, int64_t nb) {
-#if QG_VNNI
+#if PL_VNNI
   __m512 acc = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b += 16) {
     const __mmask16 m = nb - b >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (nb - b)) - 1);
@@ -249,7 +243,7 @@ float offset_term(const float* o16, const float* ao16, int64_t nb) {
 struct BufferedRow {
   const WeightRow* w;
   const float* o16() const { return w->o16.data(); }
-#if QG_VNNI
+#if PL_VNNI
   void chunk(int64_t k, __m512i& q, __m512& s) const {
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     q = _mm512_loadu_si512(w->q.data() + k);
@@ -258,7 +252,7 @@ struct BufferedRow {
 #endif
 };
 
-#if QG_VNNI
+#if PL_VNNI
 // StoredRow decodes the stored blocks straight into registers (decode batches: no unpacked copy of the row). It
 // produces exactly the codes, scales and offsets unpack_block does, so both give the same bits.
 template <int64_t t>
@@ -397,7 +391,7 @@ void rows_buffered(int64_t t, const uint8_t* w, int64_t row_bytes, const ActRows
   }
 }
 
-#if QG_VNNI
+#if PL_VNNI
 template <int64_t t>
 void rows_stored(const uint8_t* w, int64_t row_bytes, const ActRows& acts, int64_t M, int64_t K, int64_t n0,
                  int64_t n1, void* out, bool out_f32, int64_t ldo) {
@@ -421,7 +415,7 @@ void rows_stored(const uint8_t* w, int64_t row_bytes, const ActRows& acts, int64
 constexpr int64_t kStoredRowsMaxM = 4;
 
 bool reads_stored(int64_t t, int64_t M, int64_t K) {
-  return QG_VNNI && M <= kStoredRowsMaxM && K % 64 == 0 &&
+  return PL_VNNI && M <= kStoredRowsMaxM && K % 64 == 0 &&
          (t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K);
 }
 
@@ -435,8 +429,6 @@ int64_t quant_row_bytes(int64_t qtype, int64_t K) {
   return ti.block && K % ti.block == 0 ? K / ti.block * ti.bytes : 0;
 }
 
-bool quant_gemm_has_vnni() { return QG_VNNI; }
-
 void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, void* out, bool out_f32,
                     int64_t M, int64_t N, int64_t K, int64_t ldo) {
   if (qtype >= kPackedBase) return quant_gemm_packed(x, x_f32, w, qtype - kPackedBase, out, out_f32, M, N, K, ldo);
@@ -449,7 +441,7 @@ void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, 
   const int64_t grain = std::max<int64_t>(kNR, (32768 / std::max<int64_t>(row_bytes, 1)) / kNR * kNR);
   const bool stored = reads_stored(qtype, M, K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-#if QG_VNNI
+#if PL_VNNI
     if (stored) {
       switch (qtype) {
         case kQ4_0: return rows_stored<kQ4_0>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
@@ -482,11 +474,8 @@ void quant_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_
                            out.stride(0));
 }
 
-int64_t quant_gemm_vnni() { return pagedllm::quant_gemm_has_vnni() ? 1 : 0; }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("quant_gemm", &quant_gemm);
-  m.def("quant_gemm_vnni", &quant_gemm_vnni);
 }

@@ -47,7 +47,6 @@ constexpr int64_t kPackedBase = 1000;
 
 bool quant_type_supported(int64_t qtype);
 int64_t quant_row_bytes(int64_t qtype, int64_t K);  // bytes of one stored weight row of K elements (0: unsupported)
-bool quant_gemm_has_vnni();
 
 // out[M, N] (fp32 if out_f32 else bf16; row stride ldo elements) = x[M, K] @ W^T, where x is bf16 (x_f32 = false)
 // or fp32 and W holds N rows of quant_row_bytes(qtype, K) bytes (a packed type: N / 16 interleaved groups). Parallel over N across torch's threads.

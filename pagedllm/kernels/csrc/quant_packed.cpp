@@ -29,12 +29,6 @@
 #include "common.h"
 #include "quant_gemm.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__) && \
-    defined(__F16C__)
-#define QP_VNNI 1
-#else
-#define QP_VNNI 0
-#endif
 
 namespace pagedllm {
 namespace {
@@ -99,7 +93,7 @@ void pack_unit(const uint8_t* src, int64_t row, uint8_t* dst) {
   }
 }
 
-#if QP_VNNI
+#if PL_VNNI
 // Q4_0 / Q4_1 / Q8_0: one unit of all 16 rows at once, each lane word gathered from its row (`row0`: the group's
 // first row at this unit; rows `stride` bytes apart).
 template <int64_t base>
@@ -133,7 +127,7 @@ void pack_groups(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* rows = src + g * kGroupRows * src_row;
       uint8_t* group = dst + g * kGroupRows * dst_row;
-#if QP_VNNI
+#if PL_VNNI
       if constexpr (base != kQ4_K) {
         for (int64_t u = 0; u < units; ++u) pack_unit16<base>(rows + u * src_unit, src_row, group + u * dst_unit);
         continue;
@@ -182,7 +176,7 @@ struct Acts {
 
 // One 32-block: codes round(v * 127 / amax) (half to even), returns their sum; *d = amax / 127.
 inline int quantize_block(const float* v, int8_t* a, float* d) {
-#if QP_VNNI
+#if PL_VNNI
   const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -227,7 +221,7 @@ void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) 
 }
 
 // ---- one group of 16 weight rows against MR activation rows: acc[j] lane i = out[m0 + j, 16 g + i] ------------
-#if QP_VNNI
+#if PL_VNNI
 inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

@@ -62,7 +62,7 @@ uint32_t cutoff_key(const float* p, int64_t n, uint32_t floor, double target, bo
   thread_local std::vector<uint32_t> members;
   members.resize(n);
   int64_t m = 0, i = 0;
-#if defined(__AVX512F__)
+#if PL_AVX512
   const __m512i vfloor = _mm512_set1_epi32(static_cast<int32_t>(floor));
   for (; i + 16 <= n; i += 16) {
     const __m512i k = _mm512_loadu_si512(p + i);
@@ -124,7 +124,7 @@ double kept_mass(const float* p, int64_t n, uint32_t floor) {
   const float lowest = value_of(floor);
   int64_t i = 0;
   double s = 0.0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#if PL_AVX512
   const __m512 lo = _mm512_set1_ps(lowest);
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   for (; i + 16 <= n; i += 16) {
@@ -172,7 +172,7 @@ int64_t draw(const float* p, int64_t n, uint32_t floor, double target) {
 void probabilities(const float* logits, int64_t n, float temperature, float* p) {
   float mx = logits[0];
   int64_t i = 0;
-#if defined(__AVX512F__)  // (the compiler keeps a plain max loop scalar: std::max's NaN order)
+#if PL_AVX512  // (the compiler keeps a plain max loop scalar: std::max's NaN order)
   __m512 vmax = _mm512_set1_ps(mx);
   for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(logits + i));
   mx = _mm512_reduce_max_ps(vmax);
@@ -180,7 +180,7 @@ void probabilities(const float* logits, int64_t n, float temperature, float* p) 
   for (; i < n; ++i) mx = std::max(mx, logits[i]);
   const float inv_t = 1.0f / temperature;
   i = 0;
-#if defined(__AVX512F__)
+#if PL_AVX512
   const __m512 vmx = _mm512_set1_ps(mx), vinv = _mm512_set1_ps(inv_t);
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(p + i, pagedllm::exp_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(logits + i), vmx), vinv)));
@@ -242,7 +242,7 @@ torch::Tensor sample_from_logits(const torch::Tensor& logits, const torch::Tenso
 int64_t argmax_row(const float* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t index = 0, i = 0;
-#if defined(__AVX512F__)
+#if PL_AVX512
   if (n >= 16) {
     __m512 vmax = _mm512_set1_ps(best);
     __m512i vidx = _mm512_setzero_si512();

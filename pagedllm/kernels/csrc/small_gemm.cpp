@@ -4,7 +4,7 @@
 // oneDNN's bf16 GEMM reaches only a fraction of the memory bandwidth there. This kernel streams every weight row
 // from memory once, dots it with all M rows of x (which stay in cache) using AVX512-BF16 dot products, and splits
 // the output columns across torch's OpenMP threads. Built only where the CPU has avx512_bf16; elsewhere the model
-// keeps F.linear (small_gemm_available() says which).
+// keeps F.linear (the capabilities op says which).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,16 +16,10 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define SG_AVX512BF16 1
-#else
-#define SG_AVX512BF16 0
-#endif
 
 namespace {
 
-#if SG_AVX512BF16
+#if PL_AVX512_BF16
 constexpr int kRows = 4;  // weight rows dotted together: their K elements stay in L1 across all M rows of x
 constexpr int64_t kPrefetchRows = 4;  // software prefetch distance, in weight rows
 
@@ -71,10 +65,8 @@ void gemm_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, i
 
 namespace pagedllm {
 
-bool small_gemm_available() { return SG_AVX512BF16; }
-
 void small_gemm_bf16_raw(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K) {
-#if SG_AVX512BF16
+#if PL_AVX512_BF16
   // Grain: enough rows that one task reads ~64 KiB of weights (fewer, larger tasks wake fewer threads).
   const int64_t grain = std::max<int64_t>(kRows, ((32768 / std::max<int64_t>(K, 1)) + kRows - 1) / kRows * kRows);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemm_rows(x, w, out, M, N, K, n0, n1); });
@@ -99,14 +91,8 @@ void small_gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& w) {
                                 reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K);
 }
 
-int64_t small_gemm_available() { return pagedllm::small_gemm_available() ? 1 : 0; }
-
-int64_t small_gemm_max_rows() { return pagedllm::kSmallGemmMaxRows; }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("small_gemm_bf16", &small_gemm_bf16);
-  m.def("small_gemm_available", &small_gemm_available);
-  m.def("small_gemm_max_rows", &small_gemm_max_rows);
 }

@@ -1,0 +1,110 @@
+"""Which kernel runs: the one place that asks the extension what it can do, and the mode a step's kernels run in.
+
+- `capabilities()`: what this build of the extension can run (csrc/capabilities.cpp: its instruction sets and
+  the sizes they cover), asked once; empty where the extension could not be built.
+- `kernel_op(name)`: the extension's op, or None where this build lacks what the op needs (`OP_NEEDS`) or has no
+  extension at all; the caller keeps its torch path then. No op is ever called on a build that cannot run it.
+- `KernelMode`: how a step's kernels may compute (batch-invariant arithmetic; the portable attention path). The
+  model runner sets it for each forward (`forward_context`); kernels read it with `current_mode()`. Code that
+  calls kernels outside a forward (tests, benches) gets `DEFAULT_MODE` or sets one with `kernel_mode(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from pagedllm.kernels.build import load_ops
+
+# Capabilities (keys of capabilities()): instruction sets the build was compiled for (1 or 0) and sizes.
+AVX512 = "avx512"            # the fp32 vector paths and the fused fp32 layer
+AVX512_BF16 = "avx512_bf16"  # the bf16 small GEMM, the fused bf16 layer, the bf16 attention paths
+VNNI = "vnni"                # int8 dot products: the quantized GEMMs' fast paths, int8-KV attention on integers
+
+# Ops that exist in every build but run only where the build has a capability (the others run everywhere:
+# each has a portable form).
+OP_NEEDS: dict[str, str] = {
+    "small_gemm_bf16": AVX512_BF16,
+    "decoder_layer_bf16": AVX512_BF16,
+    "decoder_layer_quant": AVX512,  # its bf16 form needs AVX512_BF16 too: fused_layer.fused_layer_op checks
+}
+
+
+@dataclass(frozen=True)
+class KernelMode:
+    """How the kernels of one forward may compute."""
+
+    invariant: bool = True  # a row's result never depends on the rest of the batch (the engine's default)
+    portable: bool = False  # the plain C++ attention path, not the vector ones (their oracle)
+
+
+DEFAULT_MODE = KernelMode()
+_mode: ContextVar[KernelMode] = ContextVar("pagedllm_kernel_mode", default=DEFAULT_MODE)
+
+
+def current_mode() -> KernelMode:
+    """The mode of the forward running on this thread (DEFAULT_MODE outside one)."""
+    return _mode.get()
+
+
+@contextmanager
+def forward_context(mode: KernelMode) -> Iterator[KernelMode]:
+    """Run the block's kernels in `mode`; the previous mode after it."""
+    token = _mode.set(mode)
+    try:
+        yield mode
+    finally:
+        _mode.reset(token)
+
+
+def kernel_mode(**fields: bool) -> Any:
+    """forward_context with the current mode's fields replaced: `with kernel_mode(invariant=False): ...`."""
+    return forward_context(dataclasses.replace(current_mode(), **fields))
+
+
+@cache
+def capabilities() -> dict[str, int]:
+    """What this build of the extension runs: {capability: 1/0, "small_gemm_max_rows": n,
+    "vector_head_dims": mask}; {} where the extension cannot be built (every caller keeps a torch path)."""
+    try:
+        return dict(load_ops().capabilities())
+    except Exception:
+        return {}
+
+
+def has(capability: str) -> bool:
+    return bool(capabilities().get(capability, 0))
+
+
+@cache
+def kernel_op(name: str) -> Any:
+    """The extension's op `name`, or None where the extension is not built or lacks what the op needs."""
+    if not capabilities():
+        return None
+    needs = OP_NEEDS.get(name)
+    if needs is not None and not has(needs):
+        return None
+    return getattr(load_ops(), name)
+
+
+def small_gemm_max_rows() -> int:
+    """Up to how many rows a bf16 linear runs on the small GEMM (0 where the build lacks it); the fused layer
+    applies the same limit in C++."""
+    return int(capabilities().get("small_gemm_max_rows", 0))
+
+
+def vector_head_dim(head_dim: int) -> bool:
+    """Whether attention over heads of this size has vector paths in this build (else the portable path)."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0 and bool(capabilities().get("vector_head_dims", 0) & head_dim)
+
+
+def rounds_int8_queries(head_dim: int, portable: bool = False) -> bool:
+    """Whether paged_attention over an int8 KV cache runs on integers for this head size (VNNI q . k and p . V:
+    q rounded to int8, see attention/kv_quant.round_queries, and each chunk's probabilities to 15 bits) rather
+    than dequantizing K and V. Tests pick their oracle and tolerance by it."""
+    return not portable and has(VNNI) and vector_head_dim(head_dim)
