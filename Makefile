@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install run test lint bench-setup clean
+.PHONY: install run test test-fast test-variants lint bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,9 +24,33 @@ $(VENV)/.chromium:
 		chromium) || echo "chromium could not be installed: tests/test_kv_page_browser.py will skip"
 	touch $@
 
+PYTEST := OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest
+
 test: install $(VENV)/.chromium
 	$(VENV)/bin/ruff check pagedllm tests
-	OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest -q --durations=15
+	$(PYTEST) -q --durations=15
+	$(MAKE) test-variants
+
+# The default mode must run on every CPU, not only this one: the kernel, invariance and engine tests again on the
+# avx2 and portable builds of the kernels (forced whatever the CPU; tests marked slow load real models, which the
+# portable quantized kernels make too slow for CI), plus a short generation with the embedded model.
+VARIANT_TESTS := tests/test_attention_kernel.py tests/test_quant_kernel.py tests/test_small_gemm.py \
+	tests/test_decoder_layer.py tests/test_sampler.py tests/test_batch_invariance.py tests/test_engine.py \
+	tests/test_step_loop.py
+test-variants: install
+	for v in avx2 portable; do \
+		PAGEDLLM_KERNEL_VARIANT=$$v $(PYTEST) -q -m "not slow" $(VARIANT_TESTS) || exit 1; \
+		PAGEDLLM_KERNEL_VARIANT=$$v $(VENV)/bin/pagedllm generate --chat "Hi" --max-tokens 8 || exit 1; \
+	done
+
+# The edit-test loop: no real model, no transformers comparison (make test stays the whole suite CI runs).
+FAST_TESTS := tests/test_block_pool.py tests/test_kv_cache_manager.py tests/test_hybrid_kv_manager.py \
+	tests/test_scheduler.py tests/test_step_loop.py tests/test_attention_reference.py \
+	tests/test_attention_kernel.py tests/test_quant_kernel.py tests/test_small_gemm.py tests/test_sampler.py \
+	tests/test_routing.py tests/test_server_async_engine.py tests/test_model_kv_cache.py
+test-fast: install
+	$(VENV)/bin/ruff check pagedllm tests
+	$(PYTEST) -q -x $(FAST_TESTS)
 
 # Benchmark peers (never dependencies of the core package): matplotlib, llama-cpp-python built from source with
 # its server extra, and llama-server built from the llama.cpp sources vendored in that same sdist (one llama.cpp

@@ -1,4 +1,4 @@
-"""Fixtures shared across test files."""
+"""Fixtures shared across test files (helpers shared by the engine tests are in tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,19 @@ import os
 
 import pytest
 import torch
+
+# Nothing in the tests may reach for a hub (no internet here): set once, before any test module imports
+# transformers or huggingface_hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny seeded Llama (a real HF directory with a BPE tokenizer) most engine tests run on."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=3)
 
 
 @pytest.fixture(scope="session")

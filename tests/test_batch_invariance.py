@@ -251,6 +251,7 @@ def alone(request):
     return {"dtype": dtype, **path.engine}, reqs, outs
 
 
+@pytest.mark.slow  # the real embedded model
 @pytest.mark.parametrize("budget", [16, 64, 2048])
 def test_engine_batched_equals_alone(alone, budget):
     """All requests in one batch, prompts chunked by the token budget, cold then warm prefix cache: every
@@ -267,6 +268,7 @@ def test_engine_batched_equals_alone(alone, budget):
     assert llm.kv_cache_stats()["prefix_cache_hits"] > 0
 
 
+@pytest.mark.slow  # the real embedded model
 def test_engine_preempted_equals_alone(alone):
     """KV budgets too small for the batch: requests are preempted and recomputed, tokens unchanged. (Whether a
     budget preempts depends on the exact lengths, so budgets are tried until one does.)"""

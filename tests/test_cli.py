@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import io
 
-from test_engine import make_llm
-from tiny_models import make_tiny_model
+from tiny_models import make_llm, make_tiny_model
 
 from pagedllm.cli import main
 from pagedllm.engine.chat_session import run_chat

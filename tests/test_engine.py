@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import assert_no_leaks, make_llm, make_tiny_model, random_prompts, tokens
 
-from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.engine.request_stream import RequestFailedError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -26,35 +19,11 @@ def hf_model(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
-def make_llm(path, **kw) -> LLM:
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("attention_backend", "reference")
-    kw.setdefault("block_size", 8)
-    kw.setdefault("num_kv_blocks", 256)
-    return LLM(str(path), **kw)
-
-
-def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 300) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
-
-
-def assert_no_leaks(llm: LLM) -> None:
-    """After all requests finish every block is free (cached blocks are free-and-evictable)."""
-    stats = llm.kv_cache_stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"], stats
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
-
-
-def tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_greedy_matches_transformers_mixed_batch(tiny_dir, hf_model):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import tiny_models
 import torch
-from test_engine import assert_no_leaks, tokens
-from tiny_models import make_tiny_model
+from tiny_models import assert_no_leaks, make_tiny_model, tokens
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.core.kv_groups import window_blocks
@@ -36,12 +36,12 @@ def hf_model(arch_dir):
 
 
 def make_llm(path, **kw) -> LLM:
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("attention_backend", "reference")
+    """tiny_models.make_llm with this file's defaults: blocks of 4, a larger cache, and prompts longer than the
+    window prefilled in chunks."""
     kw.setdefault("block_size", BS)
     kw.setdefault("num_kv_blocks", 600)
-    kw.setdefault("max_num_batched_tokens", 24)  # prompts longer than the window are prefilled in chunks
-    return LLM(str(path), **kw)
+    kw.setdefault("max_num_batched_tokens", 24)
+    return tiny_models.make_llm(path, **kw)
 
 
 def prompts_of(n: int, seed: int, lo: int = 10, hi: int = 70) -> list[list[int]]:

@@ -6,20 +6,16 @@ tests/test_batch_invariance.py.)"""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams, kernels
 from pagedllm.attention import build_attention_metadata, copy_blocks
 from pagedllm.attention.kv_quant import SCALE_BYTES, dequantize, quantize, round_queries
 from pagedllm.attention.reference import ReferenceBackend, write_kv
 from pagedllm.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SMOLLM2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # the embedded model's KV shape
 
@@ -90,9 +86,6 @@ def test_copy_blocks_moves_scales_and_attention_reads_the_copy():
 
 
 # ---- engine (a tiny random model: seconds) ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_int8kv"), "llama", seed=3)
 
 
 def _llm(path, **kw) -> LLM:

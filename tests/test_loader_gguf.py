@@ -3,21 +3,16 @@ tiny Llama / Qwen2 / Qwen3 files written with the gguf package in every supporte
 
 from __future__ import annotations
 
-import os
-
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import gguf  # noqa: E402
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-
-from pagedllm.attention import build_attention_metadata  # noqa: E402
-from pagedllm.kernels import kernel_mode  # noqa: E402
-from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model  # noqa: E402
-from pagedllm.model.gguf_loader import CorruptGGUFError  # noqa: E402
+from pagedllm.attention import build_attention_metadata
+from pagedllm.kernels import kernel_mode
+from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model
+from pagedllm.model.gguf_loader import CorruptGGUFError
 
 H, FFN, V, LAYERS = 256, 512, 256, 2  # rows of 256: K-quants need it
 # heads per arch; qwen3 keeps head_dim 128 because transformers' GGUF path ignores qwen3.attention.key_length

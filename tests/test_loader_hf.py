@@ -8,13 +8,10 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from pagedllm.attention import build_attention_metadata  # noqa: E402
-from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model  # noqa: E402
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model
 
 
 def _tiny_qwen2(tmp_path, shard: str | None = None):

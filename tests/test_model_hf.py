@@ -5,17 +5,14 @@ contexts here: chunks, decode steps and prefix hits cross the window edge."""
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from pagedllm.attention import build_attention_metadata  # noqa: E402
-from pagedllm.model import allocate_kv_caches, load_model  # noqa: E402
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import allocate_kv_caches, load_model
 
 TOL = 1e-4
 BS = 4  # small blocks so that tiny prompts span many of them

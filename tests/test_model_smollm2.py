@@ -13,10 +13,8 @@ import time
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from pagedllm.attention import build_attention_metadata  # noqa: E402
-from pagedllm.model import allocate_kv_caches, load_model  # noqa: E402
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import allocate_kv_caches, load_model
 
 pytestmark = pytest.mark.slow
 

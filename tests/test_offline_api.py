@@ -4,8 +4,7 @@ bar's token rates."""
 from __future__ import annotations
 
 import pytest
-from test_engine import make_llm
-from tiny_models import make_tiny_model
+from tiny_models import make_llm, make_tiny_model
 
 from pagedllm.sampling_params import SamplingParams
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.step import SamplerOutput
 
 
 def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
@@ -31,35 +32,30 @@ def create_requests(n: int, prompt_len: int, start: int = 0, distinct: bool = Tr
 
 
 class Driver:
-    """Plays the engine: runs steps, 'samples' token = position (deterministic), finishes at max_tokens."""
+    """Plays the model runner: runs steps, 'samples' the first `accept` drafts then token = position
+    (deterministic); the scheduler finishes each request at its max_tokens."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
-        self.max_tokens: dict[str, int] = {}
         self.finished: list[Request] = []
 
     def add(self, req: Request, max_tokens: int | None) -> int:
-        allowed = self.sched.check_fits(req.num_prompt_tokens, max_tokens)
-        self.max_tokens[req.request_id] = allowed
+        req.max_tokens = self.sched.check_fits(req.num_prompt_tokens, max_tokens)
         self.sched.add_request(req)
-        return allowed
+        return req.max_tokens
 
     def step(self, accept: int = 0) -> SchedulerOutput:
         out = self.sched.schedule()
         check_step(self.sched, out)
-        for s in self.sched.update_after_step(out):
-            req = s.request
+        rows = []
+        for s in out.scheduled:
             drafts = s.draft_token_ids
-            tokens = drafts[:accept] + [req.num_tokens + min(accept, len(drafts))]
-            for t in tokens:
-                req.append_output_token(t)
-                if req.num_output_tokens >= self.max_tokens[req.request_id]:
-                    break
-            if req.num_output_tokens >= self.max_tokens[req.request_id]:
-                self.sched.finish_requests([req], RequestStatus.FINISHED_LENGTH)
-                self.finished.append(req)
-            elif drafts:
-                self.sched.accept_draft_tokens(req, min(accept, len(drafts)))
+            k = min(accept, len(drafts))
+            position = s.request.num_tokens + k  # a token id no draft holds (drafts are small ids in these tests)
+            rows += [drafts[j] if j < k else position for j in range(s.num_rows)]
+        for u in self.sched.update_from_output(out, SamplerOutput(rows)):
+            if u.finished:
+                self.finished.append(u.request)
         return out
 
     def run(self, max_steps: int = 10_000) -> int:

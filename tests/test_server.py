@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 openai = pytest.importorskip("openai")

@@ -11,15 +11,13 @@ import time
 import httpx
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_engine import make_llm  # noqa: E402
 from test_server import LiveServer  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from tiny_models import make_llm, make_tiny_model  # noqa: E402
 
 from pagedllm.engine.async_engine import AsyncEngine  # noqa: E402
 from pagedllm.entrypoints.openai.server import build_app  # noqa: E402

@@ -9,8 +9,7 @@ import random
 from collections import Counter
 
 import pytest
-from test_engine import assert_no_leaks, make_llm, random_prompts, tokens
-from tiny_models import make_tiny_model
+from tiny_models import assert_no_leaks, make_llm, make_tiny_model, random_prompts, tokens
 
 from pagedllm import SamplingParams
 from pagedllm.core.request import Request
@@ -18,11 +17,6 @@ from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.speculative import SpeculativeConfig, Speculator, ngram_lookup
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,8 @@ def spec_configs(tiny_dir, random_draft_dir) -> dict[str, dict]:
 def assert_no_draft_leaks(llm) -> None:
     proposer = llm.engine.speculator.proposer
     if hasattr(proposer, "kv"):
-        assert proposer.kv.num_free_blocks() == proposer.kv.num_blocks and not proposer._mirrors
+        sched = proposer.scheduler
+        assert proposer.kv.num_free_blocks() == proposer.kv.num_blocks and not sched.running and not sched.waiting
 
 
 @pytest.mark.parametrize("name", ["ngram", "self_draft", "random_draft"])

@@ -12,8 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from test_engine import make_llm
-from tiny_models import CORPUS, make_tiny_model
+from tiny_models import CORPUS, make_llm, make_tiny_model
 
 from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.structured import GrammarError

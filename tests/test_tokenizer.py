@@ -15,7 +15,6 @@ from pagedllm.engine.chat_template import apply_template, render_chat_template
 from pagedllm.model.loader import default_model_path
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 _PIECES = ["hello", " world", "Paris", " é", "日本語", " 🙂", "\n", "  ", "\t", "123", "4.5", "don't", " ,", " .",

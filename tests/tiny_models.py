@@ -1,7 +1,9 @@
-"""Tiny random Llama-family checkpoints (saved as real HF directories) and a small real tokenizer."""
+"""Tiny random Llama-family checkpoints (saved as real HF directories), a small real tokenizer, and the helpers
+the engine tests share (make_llm and its defaults, seeded random prompts, the leak check)."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -71,3 +73,31 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_llm(path, **kw):
+    """An LLM over a tiny checkpoint with the engine tests' defaults: float32, the reference attention (the
+    oracle), blocks of 8, a 256-block cache; keyword arguments override them."""
+    from pagedllm import LLM
+
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("attention_backend", "reference")
+    kw.setdefault("block_size", 8)
+    kw.setdefault("num_kv_blocks", 256)
+    return LLM(str(path), **kw)
+
+
+def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 300) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_no_leaks(llm) -> None:
+    """After all requests finish every block is free (cached blocks are free-and-evictable)."""
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 class RequestStatus(enum.Enum):
@@ -22,6 +24,13 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
+
+
+class Grammar(Protocol):
+    """A structured-outputs matcher (pagedllm/structured), opaque to the core but for these two questions."""
+
+    def accept(self, token_id: int) -> bool: ...  # False (and no state change) if the grammar forbids the token
+    def is_terminated(self) -> bool: ...  # the grammar is complete: only a stop token could follow
 
 
 @dataclass(eq=False)
@@ -42,6 +51,19 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     spec_token_ids: list[int] = field(default_factory=list)
+    # How the sequence samples and ends. The engine sets these; the runner samples with `sampling_params` and
+    # `seed`, and Scheduler.update_from_output appends the sampled tokens and ends the sequence on them.
+    sampling_params: Any = None  # pagedllm.SamplingParams (opaque here)
+    seed: int | None = None  # this sequence's own seed (its request's seed + its sample index)
+    max_tokens: int | None = None  # "length" after this many output tokens (None: only the context bounds it)
+    eos_token_ids: frozenset[int] = frozenset()  # "stop" (empty under ignore_eos)
+    stop_token_ids: frozenset[int] = frozenset()  # "stop", with the token as the stop reason
+    fork_ids: list[str] = field(default_factory=list)  # n > 1: the other samples, forked once the prompt is done
+    grammar: Grammar | None = None  # structured outputs: every token must be accepted by it
+    new_grammar: Callable[[], Grammar] | None = None  # a fresh matcher for each forked sample
+    beam: Any = None  # the beam-search group this sequence is a beam of (core/beam_search.py)
+    stop_reason: int | None = None  # the stop token that ended it
+    error: str | None = None  # why it was aborted, when it failed
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -6,6 +6,12 @@ order, each taking its cached prefix first. When a running request cannot get a 
 tokens, then the most recently admitted running request is preempted: its blocks are freed and it goes back to
 the head of the waiting queue, to be recomputed.
 
+After the model runs, `update_from_output` is the one place a step changes the sequences' state: it appends the
+sampled tokens, keeps the accepted draft tokens and rolls back the rejected ones, forks the other samples of an
+n > 1 request once its prompt is done, advances beam searches, and finishes sequences on EOS, a stop token, a
+grammar's end or length (stop strings are found by the engine's detokenizer, which finishes through
+`finish_requests`).
+
 Liveness: admission (`check_fits`) rejects a request whose prompt + max_tokens could never fit in the whole
 cache, so the oldest running request can always run to its end alone, preempting the others; the engine
 therefore always makes progress (tests/test_scheduler.py holds this as a property).
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.step import SamplerOutput, SequenceUpdate
 
 
 @dataclass
@@ -43,6 +50,13 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens run through the model this step, draft tokens included
     draft_token_ids: list[int] = field(default_factory=list)  # the last len(...) of the new tokens
     samples: bool = False  # the step reaches the end of the known tokens: logits for the last 1 + drafts rows
+    block_ids: list[list[int]] = field(default_factory=list)  # the request's block table per KV group
+    # n > 1: the samples forked once this step completes the prompt (fixed when the step is scheduled)
+    num_forks: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.samples and not self.request.output_token_ids:
+            self.num_forks = len(self.request.fork_ids)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -51,6 +65,16 @@ class ScheduledRequest:
     @property
     def num_logits(self) -> int:
         return 1 + len(self.draft_token_ids) if self.samples else 0
+
+    @property
+    def forks(self) -> bool:
+        """The step completes the prompt of an n > 1 request: its logits row is sampled once per sample."""
+        return self.num_forks > 0
+
+    @property
+    def num_rows(self) -> int:
+        """Sampler rows: one per sample when it forks, else one per logits row."""
+        return 1 + self.num_forks if self.forks else self.num_logits
 
 
 @dataclass
@@ -185,6 +209,8 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, [], num_cached + num_new == req.num_tokens))
             out.block_copies.extend(copies)
             budget -= num_new
+        for s in out.scheduled:  # after every allocation of the step (a preemption frees, CoW replaces blocks)
+            s.block_ids = self.kv.get_group_block_ids(s.request)
         return out
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -197,18 +223,80 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    def update_after_step(self, out: SchedulerOutput) -> list[ScheduledRequest]:
-        """Advance computed-token counts past the step's known tokens (draft tokens wait for
-        accept_draft_tokens); return the entries that now sample, in the order of their logits rows."""
-        sampling = []
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput) -> list[SequenceUpdate]:
+        """Apply a step's sampled rows (`out.scheduled` entries in order, `num_rows` each). Sequences finished
+        while the step ran (aborted) are skipped. Returns what each sequence took, forks right after their
+        parent; beams are the beam search's (core/beam_search.py) and not reported."""
+        updates: list[SequenceUpdate] = []
+        row = 0
         for s in out.scheduled:
+            rows = list(range(row, row + s.num_rows))
+            row += s.num_rows
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
-            if s.samples:
-                sampling.append(s)
-        return sampling
+            if not s.samples:
+                continue
+            if req.beam is not None:
+                req.beam.take_row(req, sampled, rows[0], self)
+            elif s.forks:
+                children = [self._fork_sample(req, child_id, i) for i, child_id in enumerate(req.fork_ids, 1)]
+                req.fork_ids = []
+                for seq, r in zip([req, *children], rows, strict=True):
+                    updates.append(self._take_tokens(seq, sampled, [r], [], forked_from=None if seq is req else req))
+            else:
+                updates.append(self._take_tokens(req, sampled, rows, s.draft_token_ids))
+        return updates
+
+    def _fork_sample(self, parent: Request, child_id: str, index: int) -> Request:
+        """Sample `index` of an n > 1 request: the parent's prompt blocks, its own seed and grammar matcher."""
+        child = Request(child_id, parent.prompt_token_ids, parent.cache_salt, parent.arrival_time,
+                        sampling_params=parent.sampling_params,
+                        seed=None if parent.seed is None else parent.seed + index, max_tokens=parent.max_tokens,
+                        eos_token_ids=parent.eos_token_ids, stop_token_ids=parent.stop_token_ids,
+                        new_grammar=parent.new_grammar,
+                        grammar=parent.new_grammar() if parent.new_grammar is not None else None)
+        self.fork(parent, child)
+        return child
+
+    def _take_tokens(self, req: Request, sampled: SamplerOutput, rows: list[int], drafts: list[int],
+                     forked_from: Request | None = None) -> SequenceUpdate:
+        """Row j's token is taken while the rows before it sampled their draft token exactly (rejection sampling
+        for a deterministic proposer: greedy keeps the longest prefix equal to the argmax, plus one token), and
+        until the sequence ends."""
+        update = SequenceUpdate(req, [], [], len(drafts), forked_from=forked_from)
+        for j, r in enumerate(rows):
+            token = sampled.token_ids[r]
+            ended = self._append_token(req, token)
+            if req.status != RequestStatus.FINISHED_ABORTED:  # (a token the grammar rejected is not taken)
+                update.token_ids.append(token)
+                update.rows.append(r)
+            if ended or j == len(drafts) or token != drafts[j]:
+                break
+            update.num_accepted_tokens += 1
+        if drafts:
+            self.accept_draft_tokens(req, update.num_accepted_tokens)
+        return update
+
+    def _append_token(self, req: Request, token: int) -> bool:
+        """Append one token; True (and the sequence finished, its blocks freed) when it ends the sequence."""
+        if req.grammar is not None and not req.grammar.accept(token):
+            req.error = f"structured outputs: the grammar rejected token {token} (an empty mask?)"
+            self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
+            return True
+        req.append_output_token(token)
+        status = None
+        if token in req.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif token in req.eos_token_ids or (req.grammar is not None and req.grammar.is_terminated()):
+            status = RequestStatus.FINISHED_STOPPED  # (a complete grammar: only a stop token could follow)
+        elif ((req.max_tokens is not None and req.num_output_tokens >= req.max_tokens)
+              or req.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.finish_requests([req], status)
+        return status is not None
 
     def accept_draft_tokens(self, request: Request, num_accepted: int) -> None:
         """After verification: the first num_accepted draft tokens (now appended to the request's tokens)

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.step import SamplerOutput
 from pagedllm.distributed.routing import ReplicaLoad, RoutingPolicy
 
 
@@ -109,7 +110,7 @@ class SimReplica:
 
     def add(self, turn: _Turn, rid: str) -> None:
         self.scheduler.check_fits(len(turn.prompt), len(turn.reply))  # as the engine does at add time
-        req = Request(rid, turn.prompt)
+        req = Request(rid, turn.prompt, max_tokens=len(turn.reply))
         turn.request = req
         self.turns[id(req)] = turn
         self.scheduler.add_request(req)
@@ -134,15 +135,13 @@ class SimReplica:
         """Apply the step: each request whose prompt is done gets its next reply token; finished turns out."""
         out, self.pending = self.pending, None
         done = []
-        for scheduled in self.scheduler.update_after_step(out):
-            req = scheduled.request
-            turn = self.turns[id(req)]
+        rows = [self.turns[id(s.request)].reply[s.request.num_output_tokens] for s in out.scheduled if s.num_rows]
+        for update in self.scheduler.update_from_output(out, SamplerOutput(rows)):
+            turn = self.turns[id(update.request)]
             if turn.first_token is None:
                 turn.first_token = now
-            req.append_output_token(turn.reply[req.num_output_tokens])
-            if req.num_output_tokens == len(turn.reply):
-                self.scheduler.finish_requests([req], RequestStatus.FINISHED_LENGTH)
-                del self.turns[id(req)]
+            if update.finished:  # its max_tokens is its reply's length
+                del self.turns[id(update.request)]
                 done.append(turn)
         return done
 

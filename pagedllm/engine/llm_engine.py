@@ -1,4 +1,9 @@
-"""LLMEngine: add_request / step / abort over the scheduler, the KV cache manager and the model runner."""
+"""LLMEngine: add_request / step / abort over the scheduler, the KV cache manager and the model runner.
+
+A step is schedule -> execute -> update (core/step.py): the scheduler picks the work, the runner runs the model and
+samples, the scheduler changes every sequence's state on the sampled tokens, and the output processor turns the
+changes into RequestOutputs (its stop strings are handed back to the scheduler). Beam search and the draft model
+run the same three calls."""
 
 from __future__ import annotations
 
@@ -6,19 +11,19 @@ import logging
 import time
 from collections.abc import Iterable
 
-import torch
+import numpy as np
 
 from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.kv_groups import plan_kv_groups
-from pagedllm.core.request import RequestStatus
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.core.step import RunnerOutput, SamplerOutput
 from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
-from pagedllm.engine.output_processor import OutputProcessor, RequestState, SamplingPlan, SpecDecodeStats
-from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
+from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.hub import resolve_model_path
@@ -28,10 +33,15 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.gate import GrammarGate
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.sampler import Sampler, TokenBitmask
+from pagedllm.worker.sampler import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
+
+def no_cache_salt(request_id: str, cache_salt: str | None) -> str:
+    """A salt no other request shares: the prompt is computed in full (prompt_logprobs need every position's
+    logits, and cached tokens are not recomputed)."""
+    return f"{cache_salt or ''}\x00prompt_logprobs\x00{request_id}"
 
 
 class LLMEngine:
@@ -61,16 +71,17 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  self.kv_dtype, args.attention_backend, args.batch_invariant, self.kv_groups)
-        self.sampler = Sampler(args.seed)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.eos_token_ids,
-                                                self.max_model_len)
+                                  self.kv_dtype, args.attention_backend, args.batch_invariant, self.kv_groups,
+                                  seed=args.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.num_steps = 0  # steps that ran the model
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
         self.speculator = None
         if args.speculative_config is not None:
             self.speculator = make_speculator(args.speculative_config, dtype=dtype, num_blocks=num_blocks,
                                               block_size=args.block_size, attention_backend=args.attention_backend,
-                                              vocab_size=self.model_config.vocab_size)
+                                              vocab_size=self.model_config.vocab_size,
+                                              max_model_len=self.max_model_len)
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
         self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
@@ -127,7 +138,16 @@ class LLMEngine:
         if state.grammar is not None and not state.grammar.done():
             self._grammar_gate.hold(state.grammar, (state, req))
         else:
-            self.scheduler.add_request(req)
+            self._schedule(state, req)
+
+    def _schedule(self, state: RequestState, req: Request) -> None:
+        """Hand a request's first sequence to the scheduler, with its grammar matcher (each forked sample makes
+        its own from the same compiled grammar)."""
+        if state.grammar is not None:
+            compiled = state.grammar.result()
+            req.new_grammar = lambda: self.structured_outputs.matcher(compiled)
+            req.grammar = req.new_grammar()
+        self.scheduler.add_request(req)
 
     # ---- structured outputs ----------------------------------------------------------------------
     @property
@@ -150,23 +170,27 @@ class LLMEngine:
             if state.request_id not in self.requests:
                 continue  # aborted while compiling
             if err is None:
-                self.scheduler.add_request(req)
+                self._schedule(state, req)
             else:
-                failed.append(self.output_processor.abort(state.request_id, str(err)).output())
+                failed.append(self._abort(state.request_id, str(err)).output())
         return failed
 
-    def _token_bitmask(self, plan: SamplingPlan) -> TokenBitmask | None:
-        """The tokens each constrained row may take next (unconstrained rows are not in it); a sample with draft
-        tokens gets one row per draft prefix, its matcher walked along the drafts and back."""
-        rows, walks, row = [], [], 0
-        for state, sample, drafts in plan.samples:
-            if state.grammar is not None:
-                if sample.matcher is None:  # each sample (n > 1) walks the grammar with its own matcher
-                    sample.matcher = self.structured_outputs.matcher(state.grammar.result())
-                rows.extend(range(row, row + len(drafts) + 1))
-                walks.append((sample.matcher, drafts))
-            row += len(drafts) + 1
-        return TokenBitmask(rows, self.structured_outputs.bitmask(walks)) if rows else None
+    def _token_bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
+        """The tokens each constrained row may take next (unconstrained rows are not in it): an entry with draft
+        tokens gets one row per draft prefix, its matcher walked along the drafts and back; an entry that forks
+        n samples, its matcher's one mask n times (every sample starts where the prompt ends)."""
+        rows, walks, repeats, row = [], [], [], 0
+        for s in scheduled:
+            grammar = s.request.grammar
+            if grammar is not None and s.num_rows:
+                rows.extend(range(row, row + s.num_rows))
+                walks.append((grammar, [] if s.forks else s.draft_token_ids))
+                repeats += [s.num_rows] if s.forks else [1] * s.num_rows
+            row += s.num_rows
+        if not rows:
+            return None
+        masks = self.structured_outputs.bitmask(walks)
+        return TokenBitmask(rows, masks if len(masks) == len(rows) else np.repeat(masks, repeats, axis=0))
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -174,67 +198,58 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            self.output_processor.abort(rid)
+            self._abort(rid)
+
+    def _abort(self, request_id: str, error: str | None = None) -> RequestState | None:
+        state, live = self.output_processor.abort(request_id, error)
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return state
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update, then the outputs of every request the step touched."""
         failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         out = self.scheduler.schedule()
         if out.is_empty:
             return failed_grammars
+        self.num_steps += 1
         self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
         self._slot_samples[0] += self.kv.used_slots
         self._slot_samples[1] += self.kv.num_used_blocks() * self.kv.block_size
-        logits, failed = self._execute_isolating_faults(out)
-        outputs = failed_grammars + [state.output() for state in failed]
-        sampling = self.scheduler.update_after_step(out)
-        plan = self.output_processor.plan(sampling)
-        if plan.rows:
-            identity = plan.logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy
-            sampled = self.sampler(logits if identity else logits[plan.logit_rows], plan.rows,
-                                   self._token_bitmask(plan))
-            outputs += self.output_processor.process(plan, sampled)
+        runner_out, failed = self._execute_isolating_faults(out)
+        updates = self.scheduler.update_from_output(out, runner_out.sampled)
+        processed = self.output_processor.process(updates, runner_out)
+        self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._draft_room)
-        return outputs
+        return failed_grammars + [state.output() for state in failed] + processed.outputs
 
-    def _draft_room(self, request) -> int:
+    def _draft_room(self, request: Request) -> int:
         """Draft tokens a request can take: verification adds one token of its own, and neither may pass
         max_tokens or the context."""
-        found = self.output_processor.sample_of(request)
-        if found is None:
+        if request.max_tokens is None or request.beam is not None:
             return 0
-        return min(found[0].max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 
-    def run_model(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """Run the model on a scheduled batch and advance the scheduler. Returns the entries that sample, in
-        the order of their logits rows, and those logits [rows, vocab]."""
-        logits = self._run(out.scheduled, out.block_copies)
-        return self.scheduler.update_after_step(out), logits
+    def _execute(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]]) -> RunnerOutput:
+        return self.runner.execute(scheduled, block_copies, self._token_bitmask(scheduled))
 
-    def _run(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        per_request = [self.kv.get_group_block_ids(s.request) for s in scheduled]
-        block_tables = [[t[g] for t in per_request] for g in range(self.kv_groups.num_groups)]
-        logits = self.runner.execute(scheduled, block_tables, block_copies)
-        if self.output_processor.num_prompt_logprobs:
-            collect_prompt_logprobs(self.runner.model, self.runner.last_hidden, scheduled,
-                                    self.output_processor.prompt_logprobs_of, self.output_processor.decode_one)
-        return logits
-
-    def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
+    def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[RunnerOutput, list[RequestState]]:
         """Run the step; if it fails, rerun its requests in halves (K/V writes are idempotent: same tokens,
         same slots) until each failing request runs alone, so only the requests that fail by themselves fail.
-        Returns the logits of the surviving sampling rows and the failed requests (aborted, blocks freed)."""
+        Returns the step's rows (a failed entry's rows are placeholders: its sequences are aborted, so the
+        scheduler skips them) and the failed requests (aborted, blocks freed)."""
         try:
-            return self._run(out.scheduled, out.block_copies), []
+            return self._execute(out.scheduled, out.block_copies), []
         except Exception:
             logger.exception("model step of %d requests failed; retrying them in smaller groups", len(out.scheduled))
-        rows: dict[int, torch.Tensor] = {}  # id(entry) -> its logits rows
+        done: dict[int, tuple[RunnerOutput, int]] = {}  # id(entry) -> the output of its group, its first row
         failed: dict[str, str] = {}
 
         def run(group: list[ScheduledRequest]) -> None:
             try:
-                logits = self._run(group, out.block_copies).clone()
+                result = self._execute(group, out.block_copies)
             except Exception as e:
                 if len(group) > 1:
                     run(group[:len(group) // 2])
@@ -245,18 +260,14 @@ class LLMEngine:
                 if found is not None:
                     failed[found[0].request_id] = f"model step failed: {type(e).__name__}: {e}"
                 return
-            offset = 0
+            row = 0
             for s in group:
-                rows[id(s)] = logits[offset:offset + s.num_logits]
-                offset += s.num_logits
+                done[id(s)] = (result, row)
+                row += s.num_rows
 
         run(out.scheduled)
-        # Before update_after_step: a failed request's entries are skipped from now on.
-        states = [self.output_processor.abort(rid, error) for rid, error in failed.items()]
-        kept = [rows[id(s)] for s in out.scheduled if s.samples and id(s) in rows and s.request.status ==
-                RequestStatus.RUNNING]
-        logits = torch.cat(kept) if kept else torch.empty(0, self.runner.vocab_size)
-        return logits, [st for st in states if st is not None]
+        states = [self._abort(rid, error) for rid, error in failed.items()]  # the scheduler skips them now
+        return _merge_rows(out.scheduled, done), [st for st in states if st is not None]
 
     # ---- introspection ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -298,3 +309,27 @@ class LLMEngine:
         stats["spec_decode_num_draft_tokens"] = spec.num_draft_tokens
         stats["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens
         return stats
+
+
+def _merge_rows(scheduled: list[ScheduledRequest], done: dict[int, tuple[RunnerOutput, int]]) -> RunnerOutput:
+    """One RunnerOutput from the groups of a retried step, in scheduled order; an entry that failed gets
+    placeholder rows (its sequences are aborted)."""
+    merged = RunnerOutput()
+    sampled = merged.sampled = SamplerOutput([], [], [], [], [])
+    with_logprobs = False
+    for s in scheduled:
+        result, first = done.get(id(s), (None, 0))
+        if result is not None:
+            merged.prompt_logprobs.update(result.prompt_logprobs)
+        for r in range(first, first + s.num_rows):
+            src = result.sampled if result is not None else None
+            sampled.token_ids.append(src.token_ids[r] if src is not None else -1)
+            has = src is not None and src.logprobs is not None
+            with_logprobs |= has
+            sampled.logprobs.append(src.logprobs[r] if has else 0.0)
+            sampled.ranks.append(src.ranks[r] if has else 0)
+            sampled.top_ids.append(src.top_ids[r] if has and src.top_ids is not None else [])
+            sampled.top_logprobs.append(src.top_logprobs[r] if has and src.top_logprobs is not None else [])
+    if not with_logprobs:
+        sampled.logprobs = sampled.ranks = sampled.top_ids = sampled.top_logprobs = None
+    return merged

@@ -1,6 +1,11 @@
-"""From sampled tokens to RequestOutputs: n > 1 fan-out, draft acceptance, logprobs, detokenisation, stops.
+"""From the scheduler's per-sequence updates to RequestOutputs: detokenisation, stop strings, logprobs.
 
-Naming: a user request is a `RequestState`; each of its n samples is a `SampleState` that owns one core
+The scheduler has already appended each step's tokens, forked samples and finished sequences on EOS, stop tokens,
+a grammar's end and length (Scheduler.update_from_output). Here they become text: the detokenizer finds stop
+strings (a sequence that reaches one is reported back, in `Processed.stopped`, for the engine to finish; its
+tokens after the stop are dropped), and each touched request gets one RequestOutput.
+
+Naming: a user request is a `RequestState`; each of its n samples is a `SampleState` that follows one core
 `Request` (the scheduler's unit, with its own block table). The core request id of sample i is
 `sample_request_id(request_id, i)`.
 """
@@ -12,16 +17,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import ScheduledRequest, Scheduler
+from pagedllm.core.scheduler import ScheduledRequest
+from pagedllm.core.step import PromptLogprobs, RunnerOutput, SamplerOutput, SequenceUpdate
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 def sample_request_id(request_id: str, index: int) -> str:
@@ -31,28 +38,27 @@ def sample_request_id(request_id: str, index: int) -> str:
 
 @dataclass(eq=False)
 class SampleState:
-    """One of the n samples of a request: its core Request plus text, logprobs and how it ended."""
+    """One of the n samples of a request: the core Request it follows, plus text, logprobs and how it ended."""
 
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
-    seed: int | None  # the request's seed + this sample's index
     logprobs: list[dict[int, Logprob]] | None = None  # only when the request asked for logprobs
+    token_ids: list[int] = field(default_factory=list)  # the output: the core request's tokens up to a stop
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    matcher: Any = None  # structured outputs: this sample's grammar matcher (pagedllm/structured)
 
     def output(self) -> CompletionOutput:
         cumulative = self.cumulative_logprob if self.logprobs is not None else None
-        return CompletionOutput(self.index, self.detokenizer.text, list(self.request.output_token_ids),
-                                cumulative, self.logprobs, self.finish_reason, self.stop_reason)
+        return CompletionOutput(self.index, self.detokenizer.text, list(self.token_ids), cumulative, self.logprobs,
+                                self.finish_reason, self.stop_reason)
 
 
 @dataclass(eq=False)
 class RequestState:
     """A user's request: its prompt, parameters and its samples (the first exists from the start, the other
-    n - 1 fork from it once the prompt is prefilled)."""
+    n - 1 are forked by the scheduler once the prompt is prefilled)."""
 
     request_id: str
     prompt: str | None
@@ -68,23 +74,15 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples)
+        """Every sample ended (an aborted request ends before its other samples were forked)."""
+        ended = all(s.finish_reason for s in self.samples)
+        return ended and (len(self.samples) == self.params.n or any(s.finish_reason == "abort" for s in self.samples))
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.samples], self.finished,
                              self.samples[0].request.num_cached_tokens, self.error, self.metrics,
                              self.prompt_logprobs)
-
-
-@dataclass
-class SamplingPlan:
-    """The sampler's rows for one step: row r samples sample `row_samples[r]` from logits row `logit_rows[r]`.
-    A sample with k draft tokens has k + 1 consecutive rows (row j conditions on the first j drafts)."""
-
-    rows: list[SamplingRow] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)
-    samples: list[tuple[RequestState, SampleState, list[int]]] = field(default_factory=list)  # with its drafts
 
 
 @dataclass
@@ -100,38 +98,45 @@ class SpecDecodeStats:
                 "mean_accepted_length": 1 + a / d if d else 0.0}  # tokens emitted per verification
 
 
+@dataclass
+class Processed:
+    outputs: list[RequestOutput] = field(default_factory=list)  # one per request touched this step
+    stopped: list[Request] = field(default_factory=list)  # sequences that reached a stop string: to finish
+    aborted: list[Request] = field(default_factory=list)  # live sequences of requests that failed: to abort
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler, eos_token_ids: set[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
         self._samples: dict[str, tuple[RequestState, SampleState]] = {}  # core request id -> its sample
         self.spec_stats = SpecDecodeStats()
         self.on_verified: Callable[[Request, int, int], None] | None = None  # (request, drafts, accepted)
-        self.num_prompt_logprobs = 0  # live requests that asked for prompt_logprobs
 
     # ---- requests in and out --------------------------------------------------------------------
     def add_request(self, state: RequestState, arrival_time: float | None) -> Request:
-        """Register a request and return the core Request of its first sample (for the scheduler)."""
-        req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt)
+        """Register a request and return the core Request of its first sample (for the scheduler), carrying
+        what the runner samples with and what the scheduler stops on."""
+        p, n = state.params, state.params.n
+        req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt,
+                      sampling_params=p, seed=p.seed, max_tokens=state.max_tokens,
+                      eos_token_ids=frozenset() if p.ignore_eos else p.eos_token_ids,
+                      stop_token_ids=frozenset(p.stop_token_ids or ()),
+                      fork_ids=[sample_request_id(state.request_id, i) for i in range(1, n)])
         if arrival_time is not None:
             req.arrival_time = arrival_time
         state.metrics = RequestMetrics(req.arrival_time)
-        if state.params.prompt_logprobs is not None:
+        if p.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
-            self.num_prompt_logprobs += 1
         self._add_sample(state, req)
         self.requests[state.request_id] = state
         return req
 
     def _add_sample(self, state: RequestState, req: Request) -> SampleState:
-        p, index = state.params, len(state.samples)
-        seed = None if p.seed is None else p.seed + index
+        p = state.params
         detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
                                        p.include_stop_str_in_output)
-        sample = SampleState(req, index, detok, seed, [] if p.logprobs is not None else None)
+        sample = SampleState(req, len(state.samples), detok, [] if p.logprobs is not None else None)
         state.samples.append(sample)
         self._samples[req.request_id] = (state, sample)
         return sample
@@ -139,154 +144,115 @@ class OutputProcessor:
     def sample_of(self, request: Request) -> tuple[RequestState, SampleState] | None:
         return self._samples.get(request.request_id)
 
-    def prompt_logprobs_of(self, request: Request) -> tuple[int, list] | None:
-        """(k, entries to fill) when `request` is the first sample of a request that asked for prompt_logprobs."""
-        found = self._samples.get(request.request_id)
-        if found is None or found[0].prompt_logprobs is None or found[1].index != 0:
-            return None
-        return found[0].params.prompt_logprobs, found[0].prompt_logprobs
-
     def mark_scheduled(self, scheduled: list[ScheduledRequest], now: float) -> None:
         for s in scheduled:
             found = self._samples.get(s.request.request_id)
             if found is not None and found[0].metrics.first_scheduled_time is None:
                 found[0].metrics.first_scheduled_time = now
 
-    def abort(self, request_id: str, error: str | None = None) -> RequestState | None:
-        """Finish every sample of a request (freeing its blocks) and forget it."""
+    def abort(self, request_id: str, error: str | None = None) -> tuple[RequestState | None, list[Request]]:
+        """Forget a request: every sample ends ("abort" where it had not ended). Returns its state and the
+        core requests still live, for the scheduler to abort (freeing their blocks)."""
         state = self.requests.pop(request_id, None)
         if state is None:
-            return None
+            return None, []
         state.error = state.error or error
         for s in state.samples:
             s.finish_reason = s.finish_reason or "abort"
-        self._release(state, RequestStatus.FINISHED_ABORTED)
-        return state
+        return state, self._forget(state)
 
-    def _release(self, state: RequestState, status: RequestStatus) -> None:
-        if state.prompt_logprobs is not None:
-            self.num_prompt_logprobs -= 1
-        self.scheduler.finish_requests([s.request for s in state.samples if not s.request.status.is_finished],
-                                       status)
+    def _forget(self, state: RequestState) -> list[Request]:
         for s in state.samples:
             self._samples.pop(s.request.request_id, None)
+        return [s.request for s in state.samples if not s.request.status.is_finished]
 
     # ---- one step -------------------------------------------------------------------------------
-    def plan(self, sampling: list[ScheduledRequest]) -> SamplingPlan:
-        """Sampler rows for the entries that sample this step (logits rows in their order); a request with
-        n > 1 forks its other samples here, right after its prompt is prefilled."""
-        plan = SamplingPlan()
-        logit_row = 0
-        for s in sampling:
-            state, sample = self._samples[s.request.request_id]
-            samples = [sample]
-            if len(state.samples) < state.params.n:
-                samples += self._fork_samples(state, sample.request)
-            for smp in samples:
-                out_ids = smp.request.output_token_ids
-                drafts = s.draft_token_ids if smp is sample else []
-                for j in range(len(drafts) + 1):
-                    plan.rows.append(SamplingRow(state.params, state.prompt_token_ids,
-                                                 out_ids + drafts[:j] if j else out_ids, smp.seed))
-                    plan.logit_rows.append(logit_row + j)
-                plan.samples.append((state, smp, drafts))
-            logit_row += s.num_logits
-        return plan
-
-    def _fork_samples(self, state: RequestState, parent: Request) -> list[SampleState]:
-        """n > 1: the other samples share the prefilled prompt's blocks (copy-on-write later)."""
-        children = []
-        for index in range(len(state.samples), state.params.n):
-            child = Request(sample_request_id(state.request_id, index), state.prompt_token_ids,
-                            parent.cache_salt, parent.arrival_time)
-            self.scheduler.fork(parent, child)
-            children.append(self._add_sample(state, child))
-        return children
-
-    def process(self, plan: SamplingPlan, sampled: SamplerOutput) -> list[RequestOutput]:
-        """Accept draft tokens, append the new tokens, check stops and finish; one output per touched request.
-        A failure while handling one request fails that request only."""
+    def process(self, updates: list[SequenceUpdate], runner_out: RunnerOutput) -> Processed:
+        """Text, logprobs and finish reasons of the step's updates; one output per touched request. A failure
+        while handling one request fails that request only."""
+        done = Processed()
         touched: dict[str, RequestState] = {}
-        row = 0
-        for state, sample, drafts in plan.samples:
+        for rid, found in runner_out.prompt_logprobs.items():
+            if rid in self._samples:
+                state = self._samples[rid][0]
+                self._fill_prompt_logprobs(state, found)
+                touched[state.request_id] = state
+        for u in updates:
+            if u.forked_from is not None:
+                parent = self._samples.get(u.forked_from.request_id)
+                if parent is None:
+                    continue
+                self._add_sample(parent[0], u.request)
+            found = self._samples.get(u.request.request_id)
+            if found is None:
+                continue
+            state, sample = found
             touched[state.request_id] = state
-            rows = range(row, row + len(drafts) + 1)
-            row += len(drafts) + 1
             if state.error:
                 continue
             try:
-                self._advance(state, sample, drafts, sampled, rows)
+                if self._advance(state, sample, u, runner_out.sampled):
+                    done.stopped.append(u.request)
             except Exception as e:
                 logger.exception("request %s failed", state.request_id)
                 state.error = f"{type(e).__name__}: {e}"
-        outputs = []
         now = time.monotonic()
         for state in touched.values():
             m = state.metrics
-            m.first_token_time = m.first_token_time or now
-            m.last_token_time = now
+            if any(s.token_ids for s in state.samples):
+                m.first_token_time = m.first_token_time or now
+                m.last_token_time = now
             if state.error or state.finished:
                 m.finished_time = now
             if state.error:
-                self.abort(state.request_id)
+                done.aborted += self.abort(state.request_id)[1]
             elif state.finished:
                 self.requests.pop(state.request_id, None)
-                self._release(state, RequestStatus.FINISHED_STOPPED)
-            outputs.append(state.output())
-        return outputs
+                self._forget(state)
+            done.outputs.append(state.output())
+        return done
 
-    def _advance(self, state: RequestState, sample: SampleState, drafts: list[int], sampled: SamplerOutput,
-                 rows: range) -> None:
-        """Row j's token is accepted while the rows before it sampled their draft token exactly: sampling
-        every row from its own (penalised, truncated) distribution and keeping tokens up to the first one that
-        differs from its draft is rejection sampling for a deterministic proposer, so the output follows the
-        target distribution exactly (greedy: the longest prefix equal to the argmax, plus the next token)."""
-        num_accepted = 0
-        for j, r in enumerate(rows):
-            if self._append_token(state, sample, sampled, r):
-                break
-            if j == len(drafts) or sampled.token_ids[r] != drafts[j]:
-                break
-            num_accepted += 1
-        if drafts:
+    def _advance(self, state: RequestState, sample: SampleState, u: SequenceUpdate, sampled: SamplerOutput) -> bool:
+        """Take the update's tokens into the sample; True when one of them reached a stop string (the tokens after
+        it are dropped, and the sequence is still live in the scheduler)."""
+        if u.num_draft_tokens:
             self.spec_stats.num_drafts += 1
-            self.spec_stats.num_draft_tokens += len(drafts)
-            self.spec_stats.num_accepted_tokens += num_accepted
+            self.spec_stats.num_draft_tokens += u.num_draft_tokens
+            self.spec_stats.num_accepted_tokens += u.num_accepted_tokens
             if self.on_verified is not None:
-                self.on_verified(sample.request, len(drafts), num_accepted)
-            self.scheduler.accept_draft_tokens(sample.request, num_accepted)
-
-    def _append_token(self, state: RequestState, sample: SampleState, sampled: SamplerOutput, r: int) -> bool:
-        """Append row r's token to the sample; True when the sample is finished."""
-        token = sampled.token_ids[r]
-        req = sample.request
-        if sample.matcher is not None and not sample.matcher.accept(token):
-            raise RuntimeError(f"structured outputs: the grammar rejected token {token} (an empty mask?)")
-        req.append_output_token(token)
-        if sample.logprobs is not None:
-            sample.cumulative_logprob += sampled.logprobs[r]
-            entry = {token: Logprob(sampled.logprobs[r], sampled.ranks[r], self.decode_one(token))}
-            k = state.params.logprobs or 0
-            for rank, (tid, lp) in enumerate(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k],
-                                                 strict=True) if k else (), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, self.decode_one(tid)))
-            sample.logprobs.append(entry)
+                self.on_verified(u.request, u.num_draft_tokens, u.num_accepted_tokens)
         p = state.params
-        if token in p.stop_token_ids:
-            sample.finish_reason, sample.stop_reason = "stop", token
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            sample.finish_reason = "stop"
-        elif (stop := sample.detokenizer.add_token(token, req.num_output_tokens >= p.min_tokens)) is not None:
-            sample.finish_reason, sample.stop_reason = "stop", stop
-        elif sample.matcher is not None and sample.matcher.is_terminated():
-            sample.finish_reason = "stop"  # the grammar is complete: nothing but a stop token could follow
-        elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
-            sample.finish_reason = "length"
-        if not sample.finish_reason:
-            return False
-        status = RequestStatus.FINISHED_LENGTH if sample.finish_reason == "length" else RequestStatus.FINISHED_STOPPED
-        self.scheduler.finish_requests([req], status)
-        return True
+        for token, row in zip(u.token_ids, u.rows, strict=True):
+            sample.token_ids.append(token)
+            if sample.logprobs is not None:
+                self._append_logprobs(sample, token, row, sampled, p.logprobs or 0)
+            stop = sample.detokenizer.add_token(token, len(sample.token_ids) >= p.min_tokens)
+            if stop is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                return not u.request.status.is_finished
+        if u.request.status.is_finished:
+            if u.request.error:
+                state.error = u.request.error
+            sample.finish_reason = _FINISH_REASONS[u.request.status]
+            sample.stop_reason = u.request.stop_reason
+        return False
+
+    def _append_logprobs(self, sample: SampleState, token: int, row: int, sampled: SamplerOutput, k: int) -> None:
+        sample.cumulative_logprob += sampled.logprobs[row]
+        entry = {token: Logprob(sampled.logprobs[row], sampled.ranks[row], self.decode_one(token))}
+        for rank, (tid, lp) in enumerate(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k],
+                                             strict=True) if k else (), start=1):
+            entry.setdefault(tid, Logprob(lp, rank, self.decode_one(tid)))
+        sample.logprobs.append(entry)
+
+    def _fill_prompt_logprobs(self, state: RequestState, found: PromptLogprobs) -> None:
+        if state.prompt_logprobs is None:
+            return
+        for i, (tid, lp, rank) in enumerate(zip(found.token_ids, found.logprobs, found.ranks, strict=True)):
+            entry = {tid: Logprob(lp, rank, self.decode_one(tid))}
+            for r, (t, v) in enumerate(zip(found.top_ids[i], found.top_logprobs[i], strict=True), start=1):
+                entry.setdefault(t, Logprob(v, r, self.decode_one(t)))
+            state.prompt_logprobs[found.first_position + i] = entry
 
     def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -159,11 +159,11 @@ class Speculator:
 
 
 def make_speculator(spec: dict | SpeculativeConfig, *, dtype: str, num_blocks: int, block_size: int,
-                    attention_backend: str, vocab_size: int) -> Speculator:
+                    attention_backend: str, vocab_size: int, max_model_len: int) -> Speculator:
     config = SpeculativeConfig.from_dict(spec)
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
     from pagedllm.engine.draft_model import DraftModelProposer
 
     return Speculator(config, DraftModelProposer(config.model, dtype, num_blocks, block_size, attention_backend,
-                                                 vocab_size))
+                                                 vocab_size, max_model_len))

@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, returns logits."""
+"""Turns a scheduled batch into flat tensors, runs the model over the paged KV cache and samples: one step's
+execution, schedule -> **execute** -> update (core/step.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,44 @@ from pagedllm.attention import copy_blocks, get_backend
 from pagedllm.attention.metadata import build_attention_metadata, compute_positions
 from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.scheduler import ScheduledRequest
+from pagedllm.core.step import RunnerOutput
 from pagedllm.kernels import KernelMode, forward_context
 from pagedllm.model.kv_cache import allocate_kv_caches
+from pagedllm.worker.prompt_logprobs import prompt_logprobs
+from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
+
+
+def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow], list[int]]:
+    """The sampler's rows for the entries that sample, and the logits row each reads: an entry's last token and
+    each draft prefix (row j conditioned on the first j drafts), or one row per sample when it forks n samples
+    (all from its one logits row, each with its own seed)."""
+    rows: list[SamplingRow] = []
+    logit_rows: list[int] = []
+    logit_row = 0
+    for s in scheduled:
+        req = s.request
+        if s.forks:
+            for i in range(s.num_rows):
+                rows.append(SamplingRow(req.sampling_params, req.prompt_token_ids, [],
+                                        None if req.seed is None else req.seed + i))
+                logit_rows.append(logit_row)
+        elif s.samples:
+            out, drafts = req.output_token_ids, s.draft_token_ids
+            for j in range(len(drafts) + 1):
+                rows.append(SamplingRow(req.sampling_params, req.prompt_token_ids,
+                                        out + drafts[:j] if j else out, req.seed))
+                logit_rows.append(logit_row + j)
+        logit_row += s.num_logits
+    return rows, logit_rows
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True,
-                 layout: KVGroupLayout | None = None) -> None:
+                 layout: KVGroupLayout | None = None, seed: int = 0) -> None:
         """kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8: model/kv_cache.resolve_kv_dtype).
-        layout: the KV groups (core/kv_groups.py; None: one group of every layer)."""
+        layout: the KV groups (core/kv_groups.py; None: one group of every layer). seed: the sampler's generator
+        (rows without a seed of their own)."""
         self.model = model
         self.kernel_mode = KernelMode(invariant=batch_invariant)  # every forward runs in it (engines may differ)
         self.block_size = block_size
@@ -26,6 +55,7 @@ class ModelRunner:
         self.num_groups = layout.num_groups if layout else 1
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
+        self.sampler = Sampler(seed)
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).
@@ -33,16 +63,23 @@ class ModelRunner:
         self._logits = torch.empty(0, self.vocab_size)  # 2-D even when empty: a step may sample no row
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[list[int]]],
-                block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run one step; return float32 logits for the rows that sample (each entry with `samples`: its last
-        1 + draft tokens, in order). The logits live in a buffer the next call overwrites.
-        block_tables[g][r]: the block table of request r in KV group g."""
+    def execute(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]],
+                token_bitmask: TokenBitmask | None = None) -> RunnerOutput:
+        """Run one step over the scheduled entries (each with its block tables) and sample every row they have
+        (sampling_rows); also the prompt logprobs of the prompt tokens computed this step, where asked for."""
         with forward_context(self.kernel_mode):
-            return self._execute(scheduled, block_tables, block_copies)
+            logits, hidden = self.forward(scheduled, block_copies)
+            out = RunnerOutput(prompt_logprobs=prompt_logprobs(self.model, hidden, scheduled))
+            rows, logit_rows = sampling_rows(scheduled)
+            if rows:
+                identity = logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy
+                out.sampled = self.sampler(logits if identity else logits[logit_rows], rows, token_bitmask)
+        return out
 
-    def _execute(self, scheduled: list[ScheduledRequest], block_tables: list[list[list[int]]],
-                 block_copies: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, scheduled: list[ScheduledRequest],
+                block_copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits for the rows that have them (each sampling entry's last 1 + draft tokens, in order; in a
+        buffer the next call overwrites) and every new token's hidden state, in scheduled order."""
         if block_copies:
             copy_blocks(self.kv_caches, block_copies)
         num_computed = [s.request.num_computed_tokens for s in scheduled]
@@ -54,16 +91,14 @@ class ModelRunner:
             token_ids.extend(s.draft_token_ids)
             logit_rows.extend(range(len(token_ids) - s.num_logits, len(token_ids)))
         positions = compute_positions(num_computed, num_new)
-        if len(block_tables) != self.num_groups:
-            raise ValueError(f"{len(block_tables)} block tables per request for {self.num_groups} KV groups")
-        metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in block_tables]
+        tables = [[s.block_ids[g] for s in scheduled] for g in range(self.num_groups)]
+        metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in tables]
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.kv_caches.layer_group]
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
                             self.kv_caches, meta)
-        self.last_hidden = hidden  # every new token's hidden state, in scheduled order (prompt_logprobs)
         if not logit_rows:  # a step of prefill chunks only
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size), hidden
         if self._logits.shape[0] < len(logit_rows):
             self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32)
         rows = torch.tensor(logit_rows, dtype=torch.int64)
-        return self.model.compute_logits(hidden[rows], out=self._logits[:len(logit_rows)])
+        return self.model.compute_logits(hidden[rows], out=self._logits[:len(logit_rows)]), hidden

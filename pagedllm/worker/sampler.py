@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.core.step import SamplerOutput
 from pagedllm.kernels import kernel_op
 from pagedllm.sampling_params import SamplingParams
 
@@ -23,17 +24,6 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int | None  # the sample's own seed (the request's seed + sample index), when it has one
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    # log-probability and rank (1 = most likely) of each sampled token under the model's raw distribution;
-    # None when no request in the batch asked for logprobs
-    logprobs: list[float] | None
-    ranks: list[int] | None
-    top_ids: list[list[int]] | None  # top-k alternatives per row (k = the largest logprobs asked for)
-    top_logprobs: list[list[float]] | None
 
 
 @dataclass
