@@ -20,9 +20,13 @@ from pagedllm.core.step import SamplerOutput
 
 def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                      max_num_batched_tokens: int = 64, max_model_len: int = 128, chunked: bool = True,
-                     watermark: float = 0.01, prefix_caching: bool = True) -> Scheduler:
+                     watermark: float = 0.01, prefix_caching: bool = True, prefill_order: str = "fcfs",
+                     policy: str = "fcfs") -> Scheduler:
+    """(Arrival-order prefill by default: the scenarios below spell out which prompt gets the budget; the
+    shortest-first order has its own tests in test_scheduler_policy.py.)"""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, max_model_len=max_model_len)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, chunked, watermark), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, chunked, watermark,
+                                     policy=policy, prefill_order=prefill_order), kv)
 
 
 def create_requests(n: int, prompt_len: int, start: int = 0, distinct: bool = True) -> list[Request]:
@@ -44,8 +48,8 @@ class Driver:
         self.sched.add_request(req)
         return req.max_tokens
 
-    def step(self, accept: int = 0) -> SchedulerOutput:
-        out = self.sched.schedule()
+    def step(self, accept: int = 0, prefill_budget: int | None = None) -> SchedulerOutput:
+        out = self.sched.schedule(prefill_budget)
         check_step(self.sched, out)
         rows = []
         for s in out.scheduled:
@@ -281,7 +285,8 @@ def workloads(draw):
     max_model_len = draw(st.integers(4, 96))
     sched = create_scheduler(num_blocks, block_size, draw(st.integers(1, 8)), draw(st.integers(1, 48)),
                              max_model_len, draw(st.booleans()), draw(st.sampled_from([0.0, 0.01, 0.3])),
-                             draw(st.booleans()))
+                             draw(st.booleans()), draw(st.sampled_from(["fcfs", "shortest"])),
+                             draw(st.sampled_from(["fcfs", "priority"])))
     reqs = draw(st.lists(st.tuples(st.integers(1, 100), st.one_of(st.none(), st.integers(1, 120)),
                                    st.integers(0, 3), st.integers(0, 30), st.integers(0, 4), st.booleans()),
                          min_size=1, max_size=12))
@@ -302,7 +307,8 @@ def test_every_request_finishes_is_rejected_or_is_aborted(workload):
         for i, (prompt_len, max_tokens, prefix, arrive, abort_at, drafts) in list(pending):
             if arrive <= step:
                 pending.remove((i, (prompt_len, max_tokens, prefix, arrive, abort_at, drafts)))
-                r = Request(f"q{i}", [prefix] * min(prompt_len, 5) + [i * 1000 + t for t in range(prompt_len)])
+                r = Request(f"q{i}", [prefix] * min(prompt_len, 5) + [i * 1000 + t for t in range(prompt_len)],
+                            priority=i % 3)
                 try:
                     d.add(r, max_tokens)
                 except ValueError:
@@ -316,7 +322,7 @@ def test_every_request_finishes_is_rejected_or_is_aborted(workload):
             if r.request_id.endswith(("1", "3", "5")) and r.num_computed_tokens == r.num_tokens - 1:
                 r.spec_token_ids = [7] * 3  # some requests speculate; half their drafts are accepted
         if sched.running or sched.waiting:
-            out = d.step(accept=step % 3)
+            out = d.step(accept=step % 3, prefill_budget=None if step % 4 == 0 else 1 + step % 7)
             assert not out.is_empty, "no progress with requests pending"
         step += 1
         assert step < 5000, "the engine stalled"

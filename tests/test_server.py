@@ -451,14 +451,14 @@ def test_extras_accepted(client, prompts):
 # --- faults ------------------------------------------------------------------------------------------------
 def test_request_failure_is_isolated(server, client, prompts, oracle, monkeypatch):
     processor = server.engine.engine.output_processor
-    original = processor._append_token
+    original = processor._advance  # turns one sample's new tokens into text
 
-    def poisoned(state, sample, sampled, row):
+    def poisoned(state, sample, update, sampled):
         if state.prompt and "POISON" in state.prompt:
             raise RuntimeError("injected fault")
-        return original(state, sample, sampled, row)
+        return original(state, sample, update, sampled)
 
-    monkeypatch.setattr(processor, "_append_token", poisoned)
+    monkeypatch.setattr(processor, "_advance", poisoned)
 
     async def main():
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -475,7 +475,7 @@ def test_request_failure_is_isolated(server, client, prompts, oracle, monkeypatc
     stream = client.completions.create(model="smol", prompt="POISON x", max_tokens=4, stream=True)
     with pytest.raises(openai.APIError):
         list(stream)
-    monkeypatch.setattr(processor, "_append_token", original)
+    monkeypatch.setattr(processor, "_advance", original)
     assert_no_leak(wait_idle(server))
 
 

@@ -36,7 +36,7 @@ class FakeEngine:
         self.owner = self.owner or threading.current_thread()
         assert threading.current_thread() is self.owner, "engine touched from two threads"
 
-    def add_request(self, request_id, prompt, params, *, cache_salt=None, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, *, cache_salt=None, arrival_time=None, priority=0) -> None:
         self._check_thread()
         ids = [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
         if not ids:

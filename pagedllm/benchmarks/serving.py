@@ -1,6 +1,7 @@
 """Online serving: Poisson arrivals at several rates against `pagedllm serve` and llama-server, one async client.
 
-`pagedllm bench serving [--quick] [--rates 0.25,0.5,1,2] [--num-requests 200]`. Each rate gets its own seeded
+`pagedllm bench serving [--quick] [--rates 0.25,0.5,1,2] [--num-requests 200]`; with `--concurrency 1,4,16,64` a
+closed-loop sweep instead (serving_sweep.py). Each rate gets its own seeded
 offline-distribution workload (so no prompt repeats across rates and neither server can reuse a cached prefix);
 both servers see the same prompts and arrival times at a rate. The client streams /v1/completions with token-id
 prompts, ignore_eos and temperature 0, and records TTFT (first streamed token), inter-token latency (gaps between
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.benchmarks import common, serving_dp
+from pagedllm.benchmarks import common, serving_dp, serving_sweep
 
 TTFT_SLO_S = 2.0
 
@@ -262,6 +263,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: the embedded model)")
     p.add_argument("--server-args", default="", help="extra `pagedllm serve` arguments, space separated")
     serving_dp.add_args(p)
+    serving_sweep.add_args(p)
 
 
 def _systems(args: argparse.Namespace) -> list[str]:
@@ -275,6 +277,11 @@ def _systems(args: argparse.Namespace) -> list[str]:
 
 def measure(args: argparse.Namespace) -> dict:
     common.set_threads(args.threads)
+    if args.concurrency:
+        payload = serving_sweep.sweep(args, PagedllmServer, LlamaServer, _systems(args), run_closed_loop, summarise)
+        jp, _ = common.save("serving-sweep" + args.tag, payload, None, args.out_dir)
+        print(f"wrote {jp}")
+        return payload
     rates = args.rates or ([1.0, 4.0] if args.quick else [0.25, 0.5, 1.0, 2.0, 4.0])
     n = args.num_requests or (12 if args.quick else 200)
     max_out = min(args.max_output, 32) if args.quick else args.max_output

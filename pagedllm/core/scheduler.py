@@ -29,6 +29,9 @@ from pagedllm.core.kv_cache_utils import cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.step import SamplerOutput, SequenceUpdate
 
+POLICIES = ("fcfs", "priority")
+_MAX_PREFILL_CANDIDATES = 512  # waiting requests looked up in the prefix cache per step, at most
+
 
 @dataclass
 class SchedulerConfig:
@@ -37,8 +40,15 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     watermark: float = 0.01  # fraction of blocks kept free when admitting a new request
+    policy: str = "fcfs"  # or "priority": Request.priority first (lower first), as vLLM's --scheduling-policy
+    prefill_order: str = "shortest"  # prompts closest to done get the budget first; "fcfs": arrival order
+    max_prefill_skips: int = 16  # a prompt passed over this many steps goes first (oldest first)
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefill_order not in ("shortest", "fcfs"):
+            raise ValueError(f"prefill_order must be 'shortest' or 'fcfs', got {self.prefill_order!r}")
         if not self.enable_chunked_prefill:
             # Without chunking a whole prompt must fit in one step.
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
@@ -153,65 +163,119 @@ class Scheduler:
         self.running.insert(self.running.index(parent) + 1, child)
 
     # ---- one step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        """One step's work. Every decode runs (within max_num_batched_tokens); prompt tokens up to
+        `prefill_budget` more (None, or chunked prefill off: the rest of max_num_batched_tokens), the prompts
+        closest to done first."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":  # the tail, where preemption takes from, is the lowest priority
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
 
-        # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
+        # 1. Decodes (and their drafts), oldest (highest priority) first; preempt from the tail when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            num_new = min(remaining, budget)
-            if num_new <= 0:  # nothing to compute (should not happen for a live request)
+            if remaining != 1:  # still prefilling: its prompt competes with the waiting ones below
                 i += 1
                 continue
             drafts = req.spec_token_ids
             if drafts:  # only after the last known token, within the budget and the context
-                k = min(len(drafts), budget - num_new, self.config.max_model_len - req.num_tokens)
-                del drafts[max(0, k) if num_new == remaining else 0:]
-            copies = self.kv.allocate_slots(req, num_new + len(drafts))
+                del drafts[max(0, min(len(drafts), budget - 1, self.config.max_model_len - req.num_tokens)):]
+            copies = self.kv.allocate_slots(req, 1 + len(drafts))
             if copies is None and drafts:
                 drafts.clear()
-                copies = self.kv.allocate_slots(req, num_new)
+                copies = self.kv.allocate_slots(req, 1)
             while copies is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
-                copies = self.kv.allocate_slots(req, num_new)
+                copies = self.kv.allocate_slots(req, 1)
             if copies is None:
                 break
-            out.scheduled.append(ScheduledRequest(req, num_new + len(drafts), list(drafts), num_new == remaining))
+            out.scheduled.append(ScheduledRequest(req, 1 + len(drafts), list(drafts), True))
             out.block_copies.extend(copies)
-            budget -= num_new + len(drafts)
+            budget -= 1 + len(drafts)
             i += 1
 
-        # 2. Waiting requests in arrival order, unless this step already had to preempt.
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            reserve = self._watermark_blocks if self.running else 0
-            copies = self.kv.allocate_slots(req, num_new, cached_blocks, num_reserved_blocks=reserve)
-            if copies is None:
-                break
-            self.waiting.popleft()
-            if req.status == RequestStatus.WAITING:  # first admission (not a preempted one)
-                req.num_cached_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, [], num_cached + num_new == req.num_tokens))
+        # 2. Prompts: the running ones still prefilling and the waiting ones, in prefill order; new requests are
+        # admitted unless this step preempted or a running prompt found no blocks.
+        if prefill_budget is not None and self.config.enable_chunked_prefill:
+            budget = min(budget, max(1, prefill_budget))
+        blocked = bool(out.preempted)
+        for req in self._prefill_order():
+            if budget <= 0:
+                req.prefill_skips += 1
+                continue
+            if req.status == RequestStatus.RUNNING:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                copies = self.kv.allocate_slots(req, num_new)
+                if copies is None:  # no preemption here: decodes already scheduled hold what it could take
+                    blocked = True
+                    req.prefill_skips += 1
+                    continue
+                samples = req.num_computed_tokens + num_new == req.num_tokens
+            else:
+                if blocked or len(self.running) >= self.config.max_num_seqs:
+                    req.prefill_skips += 1
+                    continue
+                admitted = self._admit(req, budget)
+                if admitted is None:
+                    blocked = True
+                    req.prefill_skips += 1
+                    continue
+                num_new, copies = admitted
+                samples = req.num_computed_tokens + num_new == req.num_tokens
+            req.prefill_skips = 0
+            out.scheduled.append(ScheduledRequest(req, num_new, [], samples))
             out.block_copies.extend(copies)
             budget -= num_new
         for s in out.scheduled:  # after every allocation of the step (a preemption frees, CoW replaces blocks)
             s.block_ids = self.kv.get_group_block_ids(s.request)
         return out
+
+    def _prefill_order(self) -> list[Request]:
+        """Prompts to compute, in the order they get the step's budget: first those skipped max_prefill_skips
+        times (oldest first: no prompt starves), then by priority (the priority policy), then the fewest prompt
+        tokens left (the first token comes soonest on average; "fcfs": arrival order), then arrival."""
+        cfg = self.config
+        prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        waiting = sorted(self.waiting, key=lambda r: (r.priority if cfg.policy == "priority" else 0, r.arrival_time))
+        prompts += waiting[:_MAX_PREFILL_CANDIDATES]
+
+        def left(r: Request) -> int:
+            if r.status == RequestStatus.RUNNING:
+                return r.num_tokens - r.num_computed_tokens
+            return r.num_tokens - self.kv.get_computed_blocks(r)[1]
+
+        def key(r: Request) -> tuple:
+            starving = r.prefill_skips >= cfg.max_prefill_skips
+            return (not starving, r.arrival_time if starving else 0.0,
+                    r.priority if cfg.policy == "priority" else 0,
+                    left(r) if cfg.prefill_order == "shortest" else 0, r.arrival_time)
+
+        return sorted(prompts, key=key)
+
+    def _admit(self, req: Request, budget: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """A waiting request's first chunk (after its cached prefix), or None if its blocks do not fit now."""
+        cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+        num_new = req.num_tokens - num_cached
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        reserve = self._watermark_blocks if self.running else 0
+        copies = self.kv.allocate_slots(req, num_new, cached_blocks, num_reserved_blocks=reserve)
+        if copies is None:
+            return None
+        self.waiting.remove(req)
+        if req.status == RequestStatus.WAITING:  # first admission (not a preempted one)
+            req.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        self.running.append(req)
+        return num_new, copies
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)

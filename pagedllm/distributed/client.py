@@ -191,7 +191,7 @@ class DataParallelEngine:
         return list(prompt)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          cache_salt: str | None = None) -> ReplicaStream:
+                          cache_salt: str | None = None, priority: int = 0) -> ReplicaStream:
         """Route and submit; returns once the replica accepted it (its ValueError otherwise). A replica found
         dead at submission is skipped and the request goes to another one."""
         if self._closed:
@@ -205,7 +205,7 @@ class DataParallelEngine:
             except NoHealthyReplicaError as e:
                 raise EngineDeadError(str(e)) from e
             r = self.replicas[index]
-            gen = r.actor.generate.options(num_returns="streaming").remote(prompt, params, rid, cache_salt)
+            gen = r.actor.generate.options(num_returns="streaming").remote(prompt, params, rid, cache_salt, priority)
             stream = ReplicaStream(rid, index, gen)
             r.in_flight[rid] = estimate
             try:

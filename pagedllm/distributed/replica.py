@@ -43,8 +43,8 @@ class EngineReplica:
         return {"index": self.index, "pid": os.getpid(), "incarnation": self.incarnation}
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None) -> AsyncIterator[RequestOutput | None]:
-        stream = await self.engine.add_request(prompt, params, request_id, cache_salt)
+                       cache_salt: str | None, priority: int = 0) -> AsyncIterator[RequestOutput | None]:
+        stream = await self.engine.add_request(prompt, params, request_id, cache_salt, priority=priority)
         task = asyncio.current_task()
         if task is not None:
             self._tasks[request_id] = task

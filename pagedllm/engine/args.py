@@ -24,6 +24,19 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_step_ms(value: float | str) -> float | str:
+    """'auto' | 'off' | a positive number of milliseconds (a string from the CLI, or a number)."""
+    if value in ("auto", "off"):
+        return value
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = 0.0
+    if not ms > 0 or ms == float("inf"):
+        raise ValueError(f"max_step_ms must be 'auto', 'off' or a positive number of milliseconds, got {value!r}")
+    return ms
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
@@ -55,6 +68,12 @@ class EngineArgs:
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4}
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (see pagedllm/structured/)
     generation_config: str = "auto"  # default sampling from the model ("auto"), none ("vllm"), or a directory
+    # scheduling: "fcfs", or "priority" (a request's priority, lower first); each step's prompt tokens sized for a
+    # target step time learned from measured step costs ("auto"), a fixed target in ms, or "off" (only
+    # max_num_batched_tokens); prompts closest to done first ("shortest") or in arrival order ("fcfs")
+    scheduling_policy: str = "fcfs"
+    max_step_ms: float | str = "auto"
+    prefill_order: str = "shortest"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +90,11 @@ class EngineArgs:
             raise ValueError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.prefill_order not in ("shortest", "fcfs"):
+            raise ValueError(f"prefill_order must be 'shortest' or 'fcfs', got {self.prefill_order!r}")
+        self.max_step_ms = parse_step_ms(self.max_step_ms)
         if self.speculative_config is not None:
             from pagedllm.engine.speculative import SpeculativeConfig
 
@@ -125,6 +149,15 @@ class EngineArgs:
         g.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                             '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\'')
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                       help="fcfs: arrival order; priority: a request's priority field first (lower first)")
+        g.add_argument("--max-step-ms", default=d.max_step_ms, metavar="auto|off|MS",
+                       help="target time of one engine step, which sizes its prompt tokens: auto (learned: twice a "
+                            "decode step while requests decode), a number of milliseconds, or off (only "
+                            "--max-num-batched-tokens)")
+        g.add_argument("--prefill-order", default=d.prefill_order, choices=["shortest", "fcfs"],
+                       help="which prompts get a step's budget first: the closest to done (the first token sooner "
+                            "on average; no prompt waits more than a few steps) or arrival order")
         g.add_argument("--generation-config", default=d.generation_config,
                        help="default sampling parameters: 'auto' = the model's generation_config.json / GGUF "
                             "sampling keys, 'vllm' = none, or a directory with a generation_config.json")

@@ -112,17 +112,18 @@ class AsyncEngine:
 
     # -- asyncio API ----------------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          cache_salt: str | None = None, prompt_token_ids: list[int] | None = None
-                          ) -> RequestStream:
+                          cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
+                          priority: int = 0) -> RequestStream:
         """Submit a request; returns once the engine has accepted it (raises its ValueError otherwise).
-        `prompt_token_ids`: the text prompt already tokenized, so the loop thread does not."""
+        `prompt_token_ids`: the text prompt already tokenized, so the loop thread does not. `priority`: lower
+        first under the priority scheduling policy."""
         if not self.is_running:
             raise EngineDeadError("engine is not running") from self.dead_error
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id or uuid.uuid4().hex, loop, accepted=loop.create_future(),
                                on_abandon=self.abort)
         arrival = time.monotonic()
-        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival, prompt_token_ids))
+        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival, prompt_token_ids, priority))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -297,13 +298,15 @@ class AsyncEngine:
         t.last_token_time = now
 
     def _do_add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
-                cache_salt: str | None, arrival: float, prompt_token_ids: list[int] | None = None) -> None:
+                cache_salt: str | None, arrival: float, prompt_token_ids: list[int] | None = None,
+                priority: int = 0) -> None:
         rid = stream.request_id
         try:
             if rid in self._tracked:
                 raise ValueError(f"request_id {rid!r} is already in use")
             tokenized = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
-            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival, **tokenized)
+            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival, priority=priority,
+                                    **tokenized)
         except Exception as e:
             stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
             return

@@ -25,6 +25,7 @@ from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.speculative import make_speculator
+from pagedllm.engine.step_budget import StepBudget
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
@@ -69,7 +70,10 @@ class LLMEngine:
                                         enable_prefix_caching=args.enable_prefix_caching, kv_layout=args.kv_layout,
                                         max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                                   self.max_model_len, args.enable_chunked_prefill), self.kv)
+                                                   self.max_model_len, args.enable_chunked_prefill,
+                                                   policy=args.scheduling_policy, prefill_order=args.prefill_order),
+                                   self.kv)
+        self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
                                   self.kv_dtype, args.attention_backend, args.batch_invariant, self.kv_groups,
                                   seed=args.seed)
@@ -116,8 +120,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
-        """`prompt_token_ids`: the text prompt already tokenized (the server does it off the loop thread)."""
+                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
+        """`prompt_token_ids`: the text prompt already tokenized (the server does it off the loop thread).
+        `priority`: lower first under the priority scheduling policy."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
@@ -135,6 +140,7 @@ class LLMEngine:
             if state.grammar.done() and state.grammar.exception() is not None:
                 raise state.grammar.exception()  # a cached compile error: a GrammarError (a ValueError)
         req = self.output_processor.add_request(state, arrival_time)
+        req.priority = priority
         if state.grammar is not None and not state.grammar.done():
             self._grammar_gate.hold(state.grammar, (state, req))
         else:
@@ -209,14 +215,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update, then the outputs of every request the step touched."""
         failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
-        out = self.scheduler.schedule()
+        decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
+        out = self.scheduler.schedule(self.step_budget.prompt_budget(decoding))
         if out.is_empty:
             return failed_grammars
         self.num_steps += 1
-        self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
+        t0 = time.monotonic()
+        self.output_processor.mark_scheduled(out.scheduled, t0)
         self._slot_samples[0] += self.kv.used_slots
         self._slot_samples[1] += self.kv.num_used_blocks() * self.kv.block_size
         runner_out, failed = self._execute_isolating_faults(out)
+        decode_rows = sum(s.num_new_tokens for s in out.scheduled if s.samples and s.num_new_tokens == s.num_logits)
+        prompt_tokens = sum(s.num_new_tokens for s in out.scheduled) - decode_rows
+        self.step_budget.observe(prompt_tokens, decode_rows, time.monotonic() - t0)
         updates = self.scheduler.update_from_output(out, runner_out.sampled)
         processed = self.output_processor.process(updates, runner_out)
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)

@@ -50,6 +50,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        # Offline, no one waits for a first token: steps take max_num_batched_tokens (the most throughput, and the
+        # same schedule on every run); the server sizes steps for latency (EngineArgs.max_step_ms "auto").
+        kwargs.setdefault("max_step_ms", "off")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 

@@ -108,7 +108,7 @@ class _SamplingFields(OpenAIModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     request_id: str | None = None  # the response id (vLLM); random when not given
-    priority: int = 0  # accepted; requests are served first come, first served
+    priority: int = 0  # lower first under --scheduling-policy priority; ignored under fcfs (the default)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          defaults: dict[str, Any] | None = None) -> SamplingParams:

@@ -205,7 +205,8 @@ class OpenAIServing:
         prompts = await self.prompts(req)
         call = Call(req, params, req.request_id or random_id(self.id_prefix), req.model or self.served_model_name,
                     prompts, LogprobFormatter(self.engine.tokenizer, params.logprobs or 0))
-        streams = await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params)
+        streams = await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params,
+                                    req.priority)
         if req.stream:
             return StreamingResponse(guarded(self._stream(call, streams), lambda e: engine_error(e).sse(), self.gate),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -249,7 +250,7 @@ class OpenAIServing:
             raise OpenAIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
-                     cache_salt: str | None, known_params: set[str]) -> list[RequestStream]:
+                     cache_salt: str | None, known_params: set[str], priority: int = 0) -> list[RequestStream]:
         """Tokenize every prompt (off the loops), then add them; on any rejection abort those already added
         and raise the OpenAI error."""
         streams: list[RequestStream] = []
@@ -258,7 +259,7 @@ class OpenAIServing:
             tokenized = [await self.preprocess.tokenize(p, param) for p in prompts]
             for i, (p, kw) in enumerate(zip(prompts, tokenized, strict=True)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(p, params, rid, cache_salt, **kw))
+                streams.append(await self.engine.add_request(p, params, rid, cache_salt, priority=priority, **kw))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)

@@ -1,0 +1,111 @@
+"""The scheduler's policy for the first token, without a model: prompts closest to done get each step's prefill
+budget first, decodes run every step, a passed-over prompt is served within a bounded number of steps, and the
+priority policy serves lower priority values first. (Liveness under every policy and budget is the property test
+in test_scheduler.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_scheduler import Driver, assert_no_leaks, create_scheduler
+
+from pagedllm.core.request import Request
+
+
+def burst(seed: int, n: int = 8) -> list[Request]:
+    """n prompts of random lengths arriving together (seeded: the seed is in the test id)."""
+    rng = random.Random(seed)
+    return [Request(f"b{i}", [i * 1000 + t for t in range(rng.randint(3, 60))], arrival_time=float(i))
+            for i in range(n)]
+
+
+def first_token_steps(order: str, requests: list[Request], budget: int) -> dict[str, int]:
+    sched = create_scheduler(num_blocks=400, max_num_batched_tokens=64, prefill_order=order)
+    d = Driver(sched)
+    for r in requests:
+        d.add(r, 4)
+    first: dict[str, int] = {}
+    step = 0
+    while sched.running or sched.waiting:
+        out = d.step(prefill_budget=budget)
+        step += 1
+        for s in out.scheduled:
+            if s.samples:
+                first.setdefault(s.request.request_id, step)
+    assert_no_leaks(sched)
+    return first
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shortest_prompts_get_their_first_token_first(seed):
+    requests = burst(seed)
+    by_length = sorted(requests, key=lambda r: (r.num_prompt_tokens, r.arrival_time))
+    shortest = first_token_steps("shortest", burst(seed), budget=16)
+    fcfs = first_token_steps("fcfs", burst(seed), budget=16)
+    order = [r.request_id for r in by_length]
+    assert [shortest[rid] for rid in order] == sorted(shortest[rid] for rid in order), (seed, shortest)
+    assert [fcfs[r.request_id] for r in requests] == sorted(fcfs.values()), (seed, fcfs)  # arrival order
+    assert sum(shortest.values()) <= sum(fcfs.values()), (seed, shortest, fcfs)  # the mean TTFT, in steps
+
+
+def test_decodes_run_every_step_while_prompts_wait():
+    sched = create_scheduler(num_blocks=400, max_num_batched_tokens=64, prefill_order="shortest")
+    d = Driver(sched)
+    decoding = [Request(f"d{i}", [i * 100 + t for t in range(5)]) for i in range(3)]
+    for r in decoding:
+        d.add(r, 30)
+    d.step()  # their prompts
+    for i in range(6):
+        d.add(Request(f"p{i}", [5000 + i * 100 + t for t in range(50)]), 2)
+    for _ in range(12):
+        prompting = {r.request_id for r in [*sched.running, *sched.waiting] if not r.output_token_ids}
+        out = d.step(prefill_budget=8)
+        scheduled = {s.request.request_id: s for s in out.scheduled}
+        assert all(r.request_id in scheduled and scheduled[r.request_id].samples for r in decoding)  # one token each
+        assert sum(s.num_new_tokens for s in out.scheduled if s.request.request_id in prompting) <= 8
+    d.run()
+    assert_no_leaks(sched)
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    sched = create_scheduler(num_blocks=400, max_num_batched_tokens=64, prefill_order="shortest")
+    sched.config.max_prefill_skips = 5
+    d = Driver(sched)
+    long_req = Request("long", list(range(40)))
+    d.add(long_req, 2)
+    first = None
+    for step in range(60):
+        d.add(Request(f"s{step}", [9000 + step * 10 + t for t in range(6)]), 1)  # always a shorter prompt
+        out = d.step(prefill_budget=6)
+        if any(s.request is long_req and s.num_new_tokens for s in out.scheduled) and first is None:
+            first = step
+    assert first is not None and first <= 5 + 1  # served once skipped max_prefill_skips times
+    d.run()
+    assert long_req.num_output_tokens == 2
+    assert_no_leaks(sched)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_priority_policy_serves_lower_values_first(policy):
+    sched = create_scheduler(num_blocks=400, max_num_batched_tokens=64, max_num_seqs=1, policy=policy)
+    d = Driver(sched)
+    reqs = [Request(f"r{i}", [i * 100 + t for t in range(8)], priority=p, arrival_time=float(i))
+            for i, p in enumerate([3, 1, 2, 0])]
+    for r in reqs:
+        d.add(r, 1)
+    d.run()
+    done = [r.request_id for r in d.finished]
+    assert done == (["r3", "r1", "r2", "r0"] if policy == "priority" else ["r0", "r1", "r2", "r3"])
+    assert_no_leaks(sched)
+
+
+def test_prefill_budget_is_ignored_without_chunked_prefill():
+    """A whole prompt must fit one step when chunking is off: a smaller budget would never admit it."""
+    sched = create_scheduler(num_blocks=400, max_num_batched_tokens=64, chunked=False, prefill_order="shortest")
+    d = Driver(sched)
+    d.add(Request("whole", list(range(40))), 2)
+    out = d.step(prefill_budget=4)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("whole", 40)]
+    d.run()
+    assert_no_leaks(sched)
