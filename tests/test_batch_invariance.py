@@ -275,7 +275,7 @@ def test_engine_preempted_equals_alone(alone):
     from pagedllm import LLM
 
     engine, reqs, expected = alone
-    for num_blocks in (12, 10, 14, 9, 16):
+    for num_blocks in (12, 10, 14, 9, 16, 8, 11, 13, 7, 15):
         llm = LLM(num_kv_blocks=num_blocks, max_num_batched_tokens=64, enable_prefix_caching=False, **engine)
         got = _tokens(llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False))
         assert got == expected, num_blocks

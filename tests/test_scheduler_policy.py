@@ -109,3 +109,28 @@ def test_prefill_budget_is_ignored_without_chunked_prefill():
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("whole", 40)]
     d.run()
     assert_no_leaks(sched)
+
+
+# ---- the step budget (engine/step_budget.py), on synthetic step costs ------------------------------------------
+def test_step_budget_learns_the_costs_and_sizes_steps_for_the_target():
+    from pagedllm.engine.step_budget import StepBudget
+
+    rng = random.Random(9)
+    a, b, c = 0.030, 0.004, 0.002  # step seconds = a + b x decode rows + c x prompt tokens (with noise)
+    budget = StepBudget("auto", 2048, idle_target_s=0.5)
+    assert budget.prompt_budget(0) == 256  # nothing measured yet
+    for _ in range(200):
+        rows, tokens = rng.randint(1, 32), rng.choice([0, 0, rng.randint(16, 600)])
+        budget.observe(tokens, rows, (a + b * rows + c * tokens) * rng.uniform(0.97, 1.03))
+    decode_s = a + b * 16
+    # with 16 decoding: twice a decode step, so prompt tokens may take one decode step's time
+    assert abs(budget.prompt_budget(16) - decode_s / c) <= 0.1 * decode_s / c
+    assert abs(budget.prompt_budget(0) - 0.5 / c) <= 0.1 * 0.5 / c  # idle: the idle target
+    fixed = StepBudget(100.0, 2048)
+    for _ in range(50):
+        fixed.observe(200, 0, 200 * c)
+    assert abs(fixed.prompt_budget(0) - 0.1 / c) <= 2
+    assert StepBudget("off", 2048).prompt_budget(8) is None
+    tiny = StepBudget(1.0, 2048)  # a target below one token: still min_tokens, so prompts progress
+    tiny.observe(100, 0, 1.0)
+    assert tiny.prompt_budget(0) == 16

@@ -14,7 +14,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors")  # freq_f
 
 @dataclass
 class ModelConfig:
-    architecture: str  # a registry name: "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # a registry name: "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"
     num_layers: int
     hidden_size: int
     intermediate_size: int
