@@ -133,10 +133,14 @@ def test_preemption_gives_identical_outputs(arch_dir):
     arch, path = arch_dir
     prompts = prompts_of(8, seed=7, lo=20, hi=50)
     reference = tokens(make_llm(path).generate(prompts, LONG, use_tqdm=False))
-    small = make_llm(path, num_kv_blocks=90 if arch == "gemma3" else 30)
-    assert tokens(small.generate(prompts, LONG, use_tqdm=False)) == reference
-    assert small.kv_cache_stats()["num_preemptions"] > 0
-    assert_no_leaks(small)
+    # (whether a budget preempts depends on the schedule: budgets are tried until one does)
+    for num_blocks in (90, 80, 100, 70, 110) if arch == "gemma3" else (30, 24, 20, 27, 18, 34):
+        small = make_llm(path, num_kv_blocks=num_blocks)
+        assert tokens(small.generate(prompts, LONG, use_tqdm=False)) == reference, num_blocks
+        assert_no_leaks(small)
+        if small.kv_cache_stats()["num_preemptions"] > 0:
+            return
+    pytest.fail("no budget preempted")
 
 
 def test_forks_beams_int8_and_the_cpu_kernel_match_all_global(arch_dir):
