@@ -13,10 +13,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-# name -> (block elements, block bytes); the ggml type ids are gguf.GGMLQuantizationType's
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
+from pagedllm.quantization.types import BY_NAME
+
+FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+              "IQ4_XS", "Q4_K_M")
+# types gguf.quants has no quantizer for: written as random well-formed blocks
+RANDOM_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -48,15 +50,22 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
     if file_type == "Q4_K_M":
         more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
         t = "Q6_K" if name == "output" or (name in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
-    if BLOCKS[t][0] == 256 and cols % 256:  # K-quants need rows of whole 256-blocks: llama.cpp falls back too
+    if BY_NAME[t].block == 256 and cols % 256:  # K-quants need rows of whole 256-blocks: llama.cpp falls back too
         t = "Q8_0" if t == "Q6_K" else "Q5_0"
     return t
 
 
 def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
-    """Well-formed random K-quant blocks as bytes [rows, cols / 256 * block_bytes]."""
+    """Well-formed random blocks of a type gguf cannot quantize to, as bytes [rows, row bytes]."""
+    if qtype == "IQ4_NL":  # fp16 d, 16 bytes of 4-bit indices into a table of spread ~65
+        nb = rows * cols // 32
+        d = np.full((nb, 1), std / 65, np.float16)
+        return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(rows, -1)
     nb = rows * cols // 256
     d = np.full((nb, 1), 0, np.float16)
+    if qtype == "IQ4_XS":  # fp16 d, 8 6-bit scales (minus 32: spread ~18) in 2 + 4 bytes, 128 bytes of indices
+        d[:] = np.float16(std / (18 * 65))
+        return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 134), dtype=np.uint8)], 1).reshape(rows, -1)
     if qtype in ("Q4_K", "Q5_K"):
         qmax = 15 if qtype == "Q4_K" else 31
         sc = rng.integers(32, 64, (nb, 8), dtype=np.uint8)  # 6-bit sub-scales; mins = scales centre the codes
@@ -81,7 +90,7 @@ def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: f
     """Random weights [rows, cols] in the stored form of `qtype` (numpy array for GGUFWriter.add_tensor)."""
     import gguf
 
-    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+    if qtype in RANDOM_BLOCK_TYPES:
         return random_kquant(rng, rows, cols, qtype, std)
     w = (rng.standard_normal((rows, cols), dtype=np.float32) * std)
     if qtype == "F32":
