@@ -36,7 +36,7 @@ def test_type_table_is_the_kernels():
     """types.py's rows are the C++ traits' geometry (quant_types.h), type for type, and every type packs."""
     table = kernel_op("quant_type_table")().tolist()
     assert [(i, b, n) for i, b, n, _ in table] == [(t.id, t.block, t.bytes) for t in KERNEL_TYPES]
-    for _, block, nbytes, packed_bytes in table:
+    for _, _, nbytes, packed_bytes in table:
         assert nbytes <= packed_bytes <= 1.03 * nbytes
 
 

@@ -45,7 +45,6 @@ def measure(name: str, decode_shape: tuple[int, int], prefill_shape: tuple[int, 
     w = _weights(name, n, k)
     x1 = torch.randn(1, k)
     t1 = _best(lambda: w.matmul(x1), repeats)
-    del w
     n2, k2 = prefill_shape
     w2 = _weights(name, n2, k2)
     xm = torch.randn(rows, k2)

@@ -16,7 +16,6 @@ import torch
 
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig, UnsupportedModelError, pattern_layer_types
-
 from pagedllm.quantization.types import BY_ID as GGML_TYPES
 from pagedllm.quantization.types import FLOAT_TYPES
 
