@@ -160,9 +160,11 @@ def test_vocabulary_is_padded_to_the_shape(tmp_path):
     path = str(tmp_path / "padded.gguf")
     vocab = 49152 + 48
     write_random_gguf(path, tiny_shape("qwen2", vocab=vocab), "Q4_K_M", seed=4)
-    f = read_gguf(path)
-    tokens = f.metadata["tokenizer.ggml.tokens"]
+    from gguf import GGUFReader
+
+    tokens = GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()
     assert len(tokens) == vocab and tokens[-1] == f"<|unused_{vocab - 1}|>"
+    f = read_gguf(path)
     assert f.tensors["token_embd.weight"].shape == (vocab, 256)
     loaded = _load(path, "auto")
     assert _prefill_logits(loaded, [1, 2, 3]).shape == (3, vocab)
