@@ -93,32 +93,23 @@ inline void k_nibbles(const uint8_t* qs, uint8_t* codes) {
 template <int64_t T>
 struct Traits;
 
-template <>
-struct Traits<kQ4_0> {
-  static constexpr int64_t kBlock = 32, kBytes = 18, kHalves = 1;
-  static constexpr Codes kCodes = Codes::k4;
-  static constexpr Field kHead[] = {Field::kF16};  // unused: an empty array is not allowed, see kNumHead
+// 32-element blocks with an fp16 scale d: weight = d * (operand - kZero).
+template <int kZero>
+struct Scale32 {
+  static constexpr int64_t kBlock = 32, kHalves = 1;
+  static constexpr Field kHead[] = {Field::kF16};  // unused (kNumHead = 0): an array cannot be empty
   static constexpr int kNumHead = 0;
   static constexpr Field kPer32[] = {Field::kF16};
-  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
-    per32[0] = u16_at(b);
-    nibbles32(b + 2, codes);
-  }
   template <class V>
-  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * -8.f; }
+  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * static_cast<float>(-kZero); }
 };
 
-template <>
-struct Traits<kQ4_1> {
-  static constexpr int64_t kBlock = 32, kBytes = 20, kHalves = 1;
-  static constexpr Codes kCodes = Codes::k4;
-  static constexpr Field kHead[] = {Field::kF16};
+// 32-element blocks with fp16 d and m: weight = d * code + m.
+struct ScaleMin32 {
+  static constexpr int64_t kBlock = 32, kHalves = 1;
+  static constexpr Field kHead[] = {Field::kF16};  // unused
   static constexpr int kNumHead = 0;
-  static constexpr Field kPer32[] = {Field::kF16, Field::kF16};  // d, m
-  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
-    per32[0] = u16_at(b), per32[1] = u16_at(b + 2);
-    nibbles32(b + 4, codes);
-  }
+  static constexpr Field kPer32[] = {Field::kF16, Field::kF16};
   template <class V>
   static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[1]; }
 };
@@ -132,67 +123,68 @@ inline void q5_codes(const uint8_t* qh, const uint8_t* qs, uint8_t* codes) {
 }
 
 template <>
-struct Traits<kQ5_0> {
-  static constexpr int64_t kBlock = 32, kBytes = 22, kHalves = 1;
-  static constexpr Codes kCodes = Codes::k5;
-  static constexpr Field kHead[] = {Field::kF16};
-  static constexpr int kNumHead = 0;
-  static constexpr Field kPer32[] = {Field::kF16};
-  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
-    per32[0] = u16_at(b);
-    q5_codes(b + 2, b + 6, codes);
-  }
-  template <class V>
-  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * -16.f; }
-};
-
-template <>
-struct Traits<kQ5_1> {
-  static constexpr int64_t kBlock = 32, kBytes = 24, kHalves = 1;
-  static constexpr Codes kCodes = Codes::k5;
-  static constexpr Field kHead[] = {Field::kF16};
-  static constexpr int kNumHead = 0;
-  static constexpr Field kPer32[] = {Field::kF16, Field::kF16};  // d, m
-  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
-    per32[0] = u16_at(b), per32[1] = u16_at(b + 2);
-    q5_codes(b + 4, b + 8, codes);
-  }
-  template <class V>
-  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[1]; }
-};
-
-template <>
-struct Traits<kQ8_0> {
-  static constexpr int64_t kBlock = 32, kBytes = 34, kHalves = 1;
-  static constexpr Codes kCodes = Codes::k8;
-  static constexpr Field kHead[] = {Field::kF16};
-  static constexpr int kNumHead = 0;
-  static constexpr Field kPer32[] = {Field::kF16};
-  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
-    per32[0] = u16_at(b);
-    for (int i = 0; i < 32; ++i) codes[i] = b[2 + i] ^ 0x80;  // s8 -> u8 + 128
-  }
-  template <class V>
-  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * -128.f; }
-};
-
-template <>
-struct Traits<kIQ4_NL> {
-  static constexpr int64_t kBlock = 32, kBytes = 18, kHalves = 1;
-  static constexpr Codes kCodes = Codes::kNL4;
-  static constexpr Field kHead[] = {Field::kF16};
-  static constexpr int kNumHead = 0;
-  static constexpr Field kPer32[] = {Field::kF16};
+struct Traits<kQ4_0> : Scale32<8> {
+  static constexpr int64_t kBytes = 18;
+  static constexpr Codes kCodes = Codes::k4;
   static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
     per32[0] = u16_at(b);
     nibbles32(b + 2, codes);
   }
-  template <class V>
-  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * -128.f; }
+};
+
+template <>
+struct Traits<kQ4_1> : ScaleMin32 {
+  static constexpr int64_t kBytes = 20;
+  static constexpr Codes kCodes = Codes::k4;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b), per32[1] = u16_at(b + 2);
+    nibbles32(b + 4, codes);
+  }
+};
+
+template <>
+struct Traits<kQ5_0> : Scale32<16> {
+  static constexpr int64_t kBytes = 22;
+  static constexpr Codes kCodes = Codes::k5;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    q5_codes(b + 2, b + 6, codes);
+  }
+};
+
+template <>
+struct Traits<kQ5_1> : ScaleMin32 {
+  static constexpr int64_t kBytes = 24;
+  static constexpr Codes kCodes = Codes::k5;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b), per32[1] = u16_at(b + 2);
+    q5_codes(b + 4, b + 8, codes);
+  }
+};
+
+template <>
+struct Traits<kQ8_0> : Scale32<128> {
+  static constexpr int64_t kBytes = 34;
+  static constexpr Codes kCodes = Codes::k8;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    for (int i = 0; i < 32; ++i) codes[i] = b[2 + i] ^ 0x80;  // s8 -> u8 + 128
+  }
+};
+
+template <>
+struct Traits<kIQ4_NL> : Scale32<128> {  // operands kNonLinear4[code] + 128
+  static constexpr int64_t kBytes = 18;
+  static constexpr Codes kCodes = Codes::kNL4;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    nibbles32(b + 2, codes);
+  }
 };
 
 // Q4_K / Q5_K: d, dmin per 256; a 6-bit scale and min per 32 (weight = d * scale * q - dmin * min).
 struct KScaleMin {
+  static constexpr int64_t kBlock = 256, kHalves = 1;
   static constexpr Field kHead[] = {Field::kF16, Field::kF16};  // d, dmin
   static constexpr int kNumHead = 2;
   static constexpr Field kPer32[] = {Field::kU8, Field::kU8};  // scale, min
@@ -210,7 +202,7 @@ struct KScaleMin {
 
 template <>
 struct Traits<kQ4_K> : KScaleMin {
-  static constexpr int64_t kBlock = 256, kBytes = 144, kHalves = 1;
+  static constexpr int64_t kBytes = 144;
   static constexpr Codes kCodes = Codes::k4;
   static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
     fields(b, head, per32);
@@ -220,7 +212,7 @@ struct Traits<kQ4_K> : KScaleMin {
 
 template <>
 struct Traits<kQ5_K> : KScaleMin {
-  static constexpr int64_t kBlock = 256, kBytes = 176, kHalves = 1;
+  static constexpr int64_t kBytes = 176;
   static constexpr Codes kCodes = Codes::k5;
   static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
     fields(b, head, per32);
