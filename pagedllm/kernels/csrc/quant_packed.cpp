@@ -76,11 +76,10 @@ void place_codes(const uint8_t* codes, int64_t row, uint8_t* blk) {
     for (int e = 0; e < 16; ++e) plane[e] = (codes[e] & 15) | ((codes[e + 16] & 15) << 4);
     for (int j = 0; j < 4; ++j) std::memcpy(blk + 64 * j + 4 * row, plane + 4 * j, 4);
     if constexpr (C == Codes::k5) {
-      for (int s = 0; s < 8; ++s) {
-        uint8_t nib = 0;
-        for (int b = 0; b < 4; ++b) nib |= ((codes[4 * s + b] >> 4) & 1) << b;
-        blk[256 + 8 * s + row / 2] |= nib << (4 * (row % 2));  // the group's unit was zeroed first
-      }
+      uint32_t fifth = 0;  // bit e: element e's
+      for (int e = 0; e < 32; ++e) fifth |= static_cast<uint32_t>((codes[e] >> 4) & 1) << e;
+      for (int s = 0; s < 8; ++s)  // the group's unit was zeroed first
+        blk[256 + 8 * s + row / 2] |= ((fifth >> (4 * s)) & 15) << (4 * (row % 2));
     } else if constexpr (C == Codes::k6) {
       for (int v = 0; v < 2; ++v) {
         uint8_t top[4] = {0, 0, 0, 0};
