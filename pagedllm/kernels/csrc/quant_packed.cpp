@@ -249,7 +249,7 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
       for (int s = 0; s < 8; ++s) {
         uint64_t m;
         std::memcpy(&m, blk + 256 + 8 * s, 8);
-        c[s] = _mm512_mask_or_epi32(c[s], 0xffff, c[s], _mm512_maskz_mov_epi8(_cvtu64_mask64(m), bit4));
+        c[s] = _mm512_mask_add_epi8(c[s], _cvtu64_mask64(m), c[s], bit4);  // codes < 16: + 16 sets bit 4
       }
     } else if constexpr (C == Codes::k6) {
       const __m512i bits45 = _mm512_set1_epi8(0x30);
