@@ -55,11 +55,14 @@ test-fast: install
 # Benchmark peers (never dependencies of the core package): matplotlib, llama-cpp-python built from source with
 # its server extra, and llama-server built from the llama.cpp sources vendored in that same sdist (one llama.cpp
 # version for both). Both compile ggml from source, which takes a long while on a small machine (BENCHMARKS.md,
-# setup, records how long); -march=native binds them to this CPU.
+# setup, records how long). Both are built for this CPU with GGML_NATIVE=OFF and each instruction set named from
+# /proc/cpuinfo, AMX off (pagedllm/benchmarks/llama_build.py: the native build crashed in its AMX matmul on an AMX
+# Xeon).
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 BENCH_BUILD := $(VENV)/bench-build
 LLAMA_SRC := $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp
 JOBS ?= 2
+LLAMA_ISA = $(shell $(PY) -m pagedllm.benchmarks.llama_build)
 
 bench-setup: install $(VENV)/bin/llama-server
 	$(PIP) install -q -e ".[bench]"
@@ -69,7 +72,7 @@ $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz:
 	$(PIP) download -q --no-deps --no-binary :all: -d $(BENCH_BUILD) "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)"
 
 $(VENV)/.llama-cpp-python: $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMA_ISA)" CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
 		$(PIP) install -q --no-binary llama-cpp-python "$<[server]"
 	touch $@
 
@@ -77,7 +80,7 @@ $(VENV)/bin/llama-server: $(VENV)/.llama-cpp-python
 	tar -xzf $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(BENCH_BUILD)
 	cmake -S $(LLAMA_SRC) -B $(BENCH_BUILD)/llama-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-		-DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_ISA)
 	cmake --build $(BENCH_BUILD)/llama-server --target llama-server -j $(JOBS)
 	cp $(BENCH_BUILD)/llama-server/bin/llama-server $@
 

@@ -39,6 +39,9 @@ PATHS = [
     # the embedded model stores Q4_1; 1B-class GGUFs mostly Q4_K (its blocks are read by another kernel loop)
     ExecPath("q4_1-weights", torch.bfloat16, torch.bfloat16, weights="Q4_1", engine={"quantization": "auto"}),
     ExecPath("q4_k-weights", torch.bfloat16, torch.bfloat16, weights="Q4_K", engine={"quantization": "auto"}),
+    # the other types of real files, each on its packed 16-row form (a 37-row matrix stays unpacked)
+    *(ExecPath(f"{t.lower()}-weights", torch.bfloat16, torch.bfloat16, weights=t, engine={"quantization": "auto"})
+      for t in ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")),
     ExecPath("spec-ngram", torch.bfloat16, torch.bfloat16,
              engine={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
 ]
@@ -73,11 +76,11 @@ def _path_linear(path: ExecPath, n: int, k: int, gen: torch.Generator):
 
     from pagedllm.benchmarks.gguf_writer import quantized
     from pagedllm.model.layers import linear
-    from pagedllm.quantization.tensor import TYPE_IDS, QuantTensor
+    from pagedllm.quantization.tensor import QuantTensor, type_id
 
     if path.weights != "dense":
         raw = quantized(np.random.default_rng(k + n), n, k, path.weights, 0.05)
-        q = QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), TYPE_IDS[path.weights], k)
+        q = QuantTensor(torch.from_numpy(np.ascontiguousarray(raw)), type_id(path.weights), k).packed()
         return q.matmul, q.dequantize()
     if kernels.kernel_op("gemm_invariant") is None:
         pytest.skip("no invariant GEMM in this build")

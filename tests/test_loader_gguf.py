@@ -67,7 +67,7 @@ def write_gguf(path: str, arch: str, types: dict[str, Q], seed: int = 0) -> None
             w.add_tensor(name, _kquant_bytes(rng, *arr.shape, qt), raw_dtype=qt)
         elif qt == Q.F32:
             w.add_tensor(name, arr)
-        elif qt == Q.IQ4_NL:  # a type we do not support: random blocks are enough to get rejected
+        elif qt == Q.MXFP4:  # a type we do not support: random blocks are enough to get rejected
             blk, nbytes = gguf.GGML_QUANT_SIZES[qt]
             raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // blk * nbytes), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qt)
@@ -219,8 +219,8 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_quant_type(tmp_path):
     p = tmp_path / "m.gguf"
-    write_gguf(str(p), "llama", {**TYPE_SETS["q32"], "down": Q.IQ4_NL})
-    with pytest.raises(UnsupportedModelError, match="IQ4_NL.*supported: F32"):
+    write_gguf(str(p), "llama", {**TYPE_SETS["q32"], "down": Q.MXFP4})
+    with pytest.raises(UnsupportedModelError, match="MXFP4.*supported: F32"):
         load_model(str(p), load_tokenizer=False)
 
 

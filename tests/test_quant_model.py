@@ -127,3 +127,44 @@ def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
         plain = _prefill_logits(m, tokens, dtype)
     assert float((fused - plain).abs().max() / plain.abs().max()) < 0.02
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+
+
+def _mix(shape_name: str) -> dict[str, int]:
+    from collections import Counter
+
+    from pagedllm.benchmarks.gguf_writer import SHAPES, tensor_type
+
+    s = SHAPES[shape_name]
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    names = [("token_embd", 0, s.hidden)] + [(n, i, cols) for i in range(s.layers) for n, cols in (
+        ("attn_q", s.hidden), ("attn_k", s.hidden), ("attn_v", s.hidden), ("attn_output", q),
+        ("ffn_gate", s.hidden), ("ffn_up", s.hidden), ("ffn_down", s.ffn))]
+    assert kv > 0
+    return dict(Counter(tensor_type("Q4_K_M", n, i, s.layers, cols, s.tied) for n, i, cols in names))
+
+
+def test_q4_k_m_is_typed_as_llama_quantize_types_it():
+    """The tensor types of real Q4_K_M files of these shapes (Qwen2.5 0.5B: 896-wide rows fall back from Q4_K to
+    Q5_0 and from Q6_K to Q8_0, the tied embedding is the output head: Q8_0; 1.5B: Q4_K and Q6_K only). The real
+    files counted in issue 29 list one more Q4_K-class matrix each (133 Q5_0, 169 Q4_K) than their 1 + 7 x layers
+    matrices hold."""
+    assert _mix("qwen2.5-0.5b") == {"Q8_0": 13, "Q5_0": 132, "Q6_K": 12, "Q4_K": 12}
+    assert _mix("qwen2.5-1.5b") == {"Q6_K": 29, "Q4_K": 168}
+
+
+def test_vocabulary_is_padded_to_the_shape(tmp_path):
+    """A shape's vocabulary larger than the embedded tokenizer's: the token list is padded with unused tokens, and
+    the model loads and runs on the file."""
+    from pagedllm.model.gguf_loader import read_gguf
+
+    path = str(tmp_path / "padded.gguf")
+    vocab = 49152 + 48
+    write_random_gguf(path, tiny_shape("qwen2", vocab=vocab), "Q4_K_M", seed=4)
+    from gguf import GGUFReader
+
+    tokens = GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == vocab and tokens[-1] == f"<|unused_{vocab - 1}|>"
+    f = read_gguf(path)
+    assert f.tensors["token_embd.weight"].shape == (vocab, 256)
+    loaded = _load(path, "auto")
+    assert _prefill_logits(loaded, [1, 2, 3]).shape == (3, vocab)

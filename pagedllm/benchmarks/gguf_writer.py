@@ -1,10 +1,16 @@
 """Random-weight GGUF files of a given shape and quantization type (benchmark models and test fixtures).
 
 Weights are random normals quantized with `gguf.quants.quantize` where the gguf package has a quantizer (F32,
-F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0). The package has no K-quant quantizer, so Q4_K/Q5_K/Q6_K tensors are written as
-random but well-formed blocks (random codes, sub-scales and mins, super-scales chosen so that the weights have
-about the same spread as the normals): for a random-weight model either is as good. Q4_K_M mixes Q4_K and Q6_K as
-llama.cpp's quantizer does (Q6_K for the output head and for attn_v/ffn_down of some layers).
+F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The package has no K-quant or IQ4 quantizer, so those tensors are
+written as random but well-formed blocks (random codes, sub-scales and mins, super-scales chosen so that the
+weights have about the same spread as the normals): for a random-weight model either is as good.
+
+Q4_K_M is typed tensor by tensor as llama.cpp's llama-quantize types it (`llama_quant_type`): Q6_K for the output
+head (or the tied embedding), for attn_v and ffn_down of the layers its use_more_bits picks, Q4_K elsewhere, and
+its fallbacks where rows are not whole 256-blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an
+output head -> Q8_0). A single-type file is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
+The vocabulary of a shape (151,936 for Qwen2.5) pads the embedded tokenizer's with unused tokens: a real prompt
+never samples them, but every decode step reads their rows of the output head.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-# name -> (block elements, block bytes); the ggml type ids are gguf.GGMLQuantizationType's
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
+from pagedllm.quantization.types import BY_NAME, FLOAT_TYPES
+
+FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+              "IQ4_XS", "Q4_K_M")
+# types gguf.quants has no quantizer for: written as random well-formed blocks
+RANDOM_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -28,35 +36,60 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    vocab: int = 49152  # the embedded SmolLM2 tokenizer's vocabulary
+    vocab: int = 49152  # the embedded SmolLM2 tokenizer's; a larger one is padded with unused tokens
     tied: bool = False
     rope_theta: float = 10000.0
     eps: float = 1e-5
     context: int = 4096
 
 
+_QWEN = {"tied": True, "rope_theta": 1e6, "eps": 1e-6, "vocab": 151936}
+_LLAMA3 = {"tied": True, "rope_theta": 5e5, "vocab": 128256}
 SHAPES = {
     "tinyllama-1.1b": ModelShape("llama", 22, 2048, 5632, 32, 4, 64),
-    "qwen2.5-0.5b": ModelShape("qwen2", 24, 896, 4864, 14, 2, 64, tied=True, rope_theta=1e6, eps=1e-6),
-    "qwen2.5-1.5b": ModelShape("qwen2", 28, 1536, 8960, 12, 2, 128, tied=True, rope_theta=1e6, eps=1e-6),
+    "qwen2.5-0.5b": ModelShape("qwen2", 24, 896, 4864, 14, 2, 64, **_QWEN),
+    "qwen2.5-1.5b": ModelShape("qwen2", 28, 1536, 8960, 12, 2, 128, **_QWEN),
+    "qwen2.5-3b": ModelShape("qwen2", 36, 2048, 11008, 16, 2, 128, **_QWEN),
+    "llama-3.2-1b": ModelShape("llama", 16, 2048, 8192, 32, 8, 64, **_LLAMA3),
+    "llama-3.2-3b": ModelShape("llama", 28, 3072, 8192, 24, 8, 128, **_LLAMA3),
 }
+# llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+MIXES = {"Q4_K_M": "Q4_K"}  # mixed file types and their default tensor type
 
 
-def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: int) -> str:
-    """The ggml type of one weight matrix in a file of `file_type` (norms and biases are always F32)."""
-    t = file_type
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama-quantize's choice of the layers whose attn_v / ffn_down get more bits in the _M mixes."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: int, tied: bool = False) -> str:
+    """The ggml type of one weight matrix (name: "token_embd", "output", "attn_v", ...) in a file of `file_type`,
+    as llama-quantize decides it (norms and biases are always F32)."""
+    t = MIXES.get(file_type, file_type)
     if file_type == "Q4_K_M":
-        more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
-        t = "Q6_K" if name == "output" or (name in ("attn_v", "ffn_down") and more_bits) else "Q4_K"
-    if BLOCKS[t][0] == 256 and cols % 256:  # K-quants need rows of whole 256-blocks: llama.cpp falls back too
-        t = "Q8_0" if t == "Q6_K" else "Q5_0"
+        if name == "output" or (tied and name == "token_embd"):
+            t = "Q8_0" if cols % 256 else "Q6_K"
+        elif name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
+            t = "Q6_K"
+    if t not in FLOAT_TYPES and cols % BY_NAME[t].block:
+        t = FALLBACK.get(t, "F16")
+        if cols % BY_NAME[t].block:
+            t = "F16"
     return t
 
 
 def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
-    """Well-formed random K-quant blocks as bytes [rows, cols / 256 * block_bytes]."""
+    """Well-formed random blocks of a type gguf cannot quantize to, as bytes [rows, row bytes]."""
+    if qtype == "IQ4_NL":  # fp16 d, 16 bytes of 4-bit indices into a table of spread ~65
+        nb = rows * cols // 32
+        d = np.full((nb, 1), std / 65, np.float16)
+        return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(rows, -1)
     nb = rows * cols // 256
     d = np.full((nb, 1), 0, np.float16)
+    if qtype == "IQ4_XS":  # fp16 d, 8 6-bit scales (minus 32: spread ~18) in 2 + 4 bytes, 128 bytes of indices
+        d[:] = np.float16(std / (18 * 65))
+        return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 134), dtype=np.uint8)], 1).reshape(rows, -1)
     if qtype in ("Q4_K", "Q5_K"):
         qmax = 15 if qtype == "Q4_K" else 31
         sc = rng.integers(32, 64, (nb, 8), dtype=np.uint8)  # 6-bit sub-scales; mins = scales centre the codes
@@ -81,7 +114,7 @@ def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: f
     """Random weights [rows, cols] in the stored form of `qtype` (numpy array for GGUFWriter.add_tensor)."""
     import gguf
 
-    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+    if qtype in RANDOM_BLOCK_TYPES:
         return random_kquant(rng, rows, cols, qtype, std)
     w = (rng.standard_normal((rows, cols), dtype=np.float32) * std)
     if qtype == "F32":
@@ -91,8 +124,12 @@ def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: f
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
 
 
-def _copy_tokenizer(writer, source: str) -> None:
-    """The tokenizer.* metadata of `source` (the embedded SmolLM2 by default), with their GGUF value types."""
+UNUSED_TOKEN = 5  # gguf's TokenType.UNUSED
+
+
+def _copy_tokenizer(writer, source: str, vocab: int) -> None:
+    """The tokenizer.* metadata of `source` (the embedded SmolLM2 by default), with their GGUF value types; its
+    token list padded with unused tokens up to `vocab` entries."""
     from gguf import GGUFReader, GGUFValueType
 
     for field in GGUFReader(source).fields.values():
@@ -100,7 +137,12 @@ def _copy_tokenizer(writer, source: str) -> None:
             continue
         vtype = GGUFValueType(field.types[0])
         sub = GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub)
+        value = field.contents()
+        if field.name == "tokenizer.ggml.tokens":
+            value = value + [f"<|unused_{i}|>" for i in range(len(value), vocab)]
+        elif field.name == "tokenizer.ggml.token_type":
+            value = value + [UNUSED_TOKEN] * (vocab - len(value))
+        writer.add_key_value(field.name, value, vtype, sub)
 
 
 def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 0,
@@ -132,10 +174,10 @@ def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 
             from pagedllm.model.loader import default_model_path
 
             tokenizer_from = default_model_path()
-        _copy_tokenizer(w, tokenizer_from)
+        _copy_tokenizer(w, tokenizer_from, s.vocab)
 
     def matrix(name: str, rows: int, cols: int, layer: int = 0) -> None:
-        qtype = tensor_type(file_type, name.split(".")[-2], layer, s.layers, cols)
+        qtype = tensor_type(file_type, name.split(".")[-2], layer, s.layers, cols, s.tied)
         data = quantized(rng, rows, cols, qtype, std)
         raw = gguf.GGMLQuantizationType[qtype] if data.dtype == np.uint8 else None
         w.add_tensor(name, data, raw_dtype=raw)

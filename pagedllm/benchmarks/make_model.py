@@ -14,7 +14,8 @@ def cached_model(shape: str, file_type: str) -> str:
     """The benchmark file for (shape, type) under the cache directory, written on first use."""
     from pagedllm.paths import cache_dir
 
-    path = os.path.join(cache_dir(), "bench-models", f"random-{shape}.{file_type}.gguf")
+    vocab = SHAPES[shape].vocab if shape in SHAPES else 0  # in the name: a shape's vocabulary has changed before
+    path = os.path.join(cache_dir(), "bench-models", f"random-{shape}-v{vocab}.{file_type}.gguf")
     if not os.path.isfile(path):
         write(shape, file_type, path)
     return path

@@ -3,9 +3,16 @@
 `pagedllm bench realistic --model F.gguf` or `--shape tinyllama-1.1b --type Q4_0` (the file is written once by
 `bench make-model` into the cache). Every system runs in its own processes (peak RSS is per process): a
 "single" process loads the model with a 2048-token context budget and measures load time, single-stream decode
-(8-token prompt, greedy, EOS ignored) and prefill; an "offline" process runs the 64-request workload
-(pagedllm batches it; llama-cpp-python runs one request at a time, so it runs the first few requests and its rate
-is carried over: the requests are i.i.d.). Ratios are of numbers taken in the same run.
+(8-token prompt, greedy, EOS ignored) and prefill; an "offline" process runs 32 concurrent requests (prompts of
+64-448 tokens, 128 output tokens each): pagedllm batches them, llama.cpp runs them batched too, through
+llama-server with one slot per request (`--parallel 32`, continuous batching; llama-cpp-python's one-stream API
+only where no llama-server was built, and then over the first few requests). Ratios are of numbers taken in the
+same run.
+
+Roofline columns: decode GB/s is the weight bytes a token reads (every matrix of the file but an untied token
+embedding) times tokens/s, against the read bandwidth `bench membw` measures with the same threads; prefill
+GOP/s is 2 x those matrices' elements per prompt token (the linears; attention left out), against the measured
+int8 dot peak.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ def _workloads(model: str, quick: bool) -> dict:
 
     rng = np.random.default_rng(0)
     ids = common.normal_token_ids(model)
-    n_req, out_len = (16, (8, 32)) if quick else (64, (16, 128))
-    offline = common.offline_workload(n_req, (32, 256), out_len, seed=1, model_path=model)
+    n_req, prompt_len, out_len = (8, (32, 128), (16, 16)) if quick else (32, (64, 448), (128, 128))
+    offline = common.offline_workload(n_req, prompt_len, out_len, seed=1, model_path=model)
     return {"decode_prompt": common.random_prompts(rng, ids, [8])[0], "decode_tokens": 16 if quick else 64,
             "prefill_prompts": common.random_prompts(rng, ids, [128 if quick else 512] * 2),
             "offline": offline.to_json(), "llama_offline_requests": 2 if quick else 8}
@@ -105,6 +112,13 @@ def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> d
 
 def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
     off = common.Workload.from_json(wl["offline"])
+    if system == "llama.cpp" and common.llama_server_binary():
+        from pagedllm.benchmarks.peers import run_llama_server
+
+        res = run_llama_server(off, threads, len(off.prompts), model)
+        return {"offline_requests": len(off.prompts), "offline_out_tok_s": res["out_tok_per_s"],
+                "offline_req_s": res["req_per_s"], "offline_peak_rss_mb": res["peak_rss_mb"],
+                "offline_config": f"llama-server --parallel {len(off.prompts)}"}
     if system == "llama.cpp":
         off = off.head(wl["llama_offline_requests"])
     m = _open(system, model, None, threads, dtype)
@@ -113,7 +127,39 @@ def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> 
     n = m.generate(off.prompts, off.output_lens)
     elapsed = time.perf_counter() - t0
     return {"offline_requests": len(off.prompts), "offline_out_tok_s": n / elapsed,
-            "offline_req_s": len(off.prompts) / elapsed, "offline_peak_rss_mb": common.peak_rss_mb()}
+            "offline_req_s": len(off.prompts) / elapsed, "offline_peak_rss_mb": common.peak_rss_mb(),
+            "offline_config": "one stream" if system == "llama.cpp" else "batched"}
+
+
+def weights_per_token(model: str) -> tuple[int, int]:
+    """(bytes, elements) of the weight matrices one token reads: every 2-D tensor of the file, but the token
+    embedding where the file has a separate output head (one row of it is read)."""
+    from pagedllm.model.gguf_loader import read_gguf
+    from pagedllm.quantization.types import BY_ID
+
+    f = read_gguf(model)
+    untied = "output.weight" in f.tensors
+    nbytes = elements = 0
+    for name, t in f.tensors.items():
+        if len(t.shape) != 2 or (untied and name == "token_embd.weight"):
+            continue
+        n = t.shape[0] * t.shape[1]
+        elements += n
+        nbytes += n // BY_ID[t.ggml_type].block * BY_ID[t.ggml_type].bytes
+    return nbytes, elements
+
+
+def add_roofline(rows: list[dict], model: str, lim: dict) -> None:
+    """Decode GB/s and prefill GOP/s of each system, and their fractions of the machine's limits."""
+    nbytes, elements = weights_per_token(model)
+    for r in rows:
+        if "decode_tok_s" in r:
+            r["decode_gb_s"] = r["decode_tok_s"] * nbytes / 1e9
+            r["decode_of_read_bw"] = r["decode_gb_s"] / lim["read_gb_s"]
+        if "prefill_tok_s" in r:
+            r["prefill_gop_s"] = r["prefill_tok_s"] * 2 * elements / 1e9
+            if lim["int8_peak_gops"]:
+                r["prefill_of_int8_peak"] = r["prefill_gop_s"] / lim["int8_peak_gops"]
 
 
 # ---- driver ------------------------------------------------------------------------------------------
@@ -172,6 +218,10 @@ def run(args: argparse.Namespace) -> dict:
     wl_path = common.out_path("realistic-workload", "json")
     with open(wl_path, "w", encoding="utf-8") as f:
         json.dump(wl, f)
+    from pagedllm.benchmarks.membw import limits
+
+    lim = limits(args.threads)
+    print(f"machine limits: {json.dumps(lim)}", flush=True)
     rows = []
     for system in systems:
         row = {"system": system}
@@ -179,12 +229,13 @@ def run(args: argparse.Namespace) -> dict:
             row.update(_subprocess(phase, system, model, wl_path, args.threads, args.dtype))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    add_roofline(rows, model, lim)
     ratios = _ratios(rows)
     title = f"realistic: {os.path.basename(model)}, {args.threads} threads, pagedllm {args.dtype}" + (" (quick)" if args.quick else "")
     print(common.table(rows, title=title))
     print(common.table(ratios, title="ratios (same run)"))
-    payload = {"model": model, "rows": rows, "ratios": ratios, "env": common.environment(args.threads),
-               "quick": args.quick}
+    payload = {"model": model, "rows": rows, "ratios": ratios, "limits": lim,
+               "env": common.environment(args.threads), "quick": args.quick}
     common.save(f"realistic-{os.path.basename(model).removesuffix('.gguf')}", payload)
     return payload
 

@@ -16,14 +16,8 @@ import torch
 
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig, UnsupportedModelError, pattern_layer_types
-
-# ggml type id -> (name, elements per block, bytes per block)
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
-    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-}
+from pagedllm.quantization.types import BY_ID as GGML_TYPES
+from pagedllm.quantization.types import FLOAT_TYPES
 
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
@@ -136,25 +130,28 @@ def read_gguf(path: str) -> GGUFFile:
 
 
 def _nbytes(t: GGUFTensorInfo) -> int:
-    _, block, nbytes = GGML_TYPES[t.ggml_type]
-    n = int(np.prod(t.shape))
-    return n // block * nbytes
+    gt = GGML_TYPES[t.ggml_type]
+    return int(np.prod(t.shape)) // gt.block * gt.bytes
 
 
 def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
     """float32 (or the stored float type) tensor of t's shape."""
-    if t.ggml_type not in GGML_TYPES:
-        supported = ", ".join(v[0] for v in GGML_TYPES.values())
-        raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {_type_name(t.ggml_type)}, which pagedllm "
-                                    f"cannot dequantise; supported: {supported}")
-    name, block, nbytes = GGML_TYPES[t.ggml_type]
+    _require_supported(t)
+    name = GGML_TYPES[t.ggml_type].name
     raw = f.blob[t.offset:t.offset + _nbytes(t)]
-    if name in ("F32", "F16", "BF16"):
+    if name in FLOAT_TYPES:
         dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
         return torch.frombuffer(bytearray(raw), dtype=dt).view(t.shape)
     from pagedllm.quantization import dequant
 
     return dequant.dequantize(raw, name, t.shape)
+
+
+def _require_supported(t: GGUFTensorInfo) -> None:
+    if t.ggml_type not in GGML_TYPES:
+        supported = ", ".join(v.name for v in GGML_TYPES.values())
+        raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {_type_name(t.ggml_type)}, which pagedllm "
+                                    f"cannot dequantise; supported: {supported}")
 
 
 def _type_name(ggml_type: int) -> str:
@@ -181,10 +178,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         return m.get(f"{arch}.{key}", default)
 
     for t in f.tensors.values():  # fail before dequantising anything
-        if t.ggml_type not in GGML_TYPES:
-            supported = ", ".join(v[0] for v in GGML_TYPES.values())
-            raise UnsupportedModelError(f"tensor {t.name!r} uses ggml type {_type_name(t.ggml_type)}, which "
-                                        f"pagedllm cannot dequantise; supported: {supported}")
+        _require_supported(t)
 
     try:
         hidden = int(get("embedding_length"))

@@ -11,28 +11,26 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.dispatch import kernel_op
+from pagedllm.quantization.types import BY_ID, BY_NAME
 
-# ggml type id -> (name, elements per block, bytes per block) for the types the kernel runs as stored
-KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
-    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-}
-TYPE_IDS = {name: tid for tid, (name, _, _) in KERNEL_TYPES.items()}
-# Types the kernel repacks at load into 16-row interleaved groups (quant_packed.cpp: the file's bytes per row,
-# +2.8% for Q4_K); a packed matrix has type PACKED_BASE + its file type.
+# The kernel repacks every type it runs into 16-row interleaved groups at load (quant_packed.cpp: the file's
+# bytes per row, a few % more where the file packs 6-bit scales); a packed matrix has type PACKED_BASE + its
+# file type.
 PACKED_BASE = 1000
-PACKED_TYPES = frozenset({TYPE_IDS["Q4_0"], TYPE_IDS["Q4_1"], TYPE_IDS["Q8_0"], TYPE_IDS["Q4_K"]})
+
+
+def type_id(name: str) -> int:
+    return BY_NAME[name].id
 
 
 def runs_as_stored(ggml_type: int, cols: int) -> bool:
     """Whether the kernel reads this type directly (rows of whole blocks)."""
-    info = KERNEL_TYPES.get(ggml_type)
-    return info is not None and cols % info[1] == 0
+    t = BY_ID.get(ggml_type)
+    return t is not None and t.kernel and cols % t.block == 0
 
 
 def row_bytes(ggml_type: int, cols: int) -> int:
-    _, block, nbytes = KERNEL_TYPES[ggml_type]
-    return cols // block * nbytes
+    return BY_ID[ggml_type].row_bytes(cols)
 
 
 def bytes_view(blob: np.ndarray, offset: int, rows: int, nbytes_per_row: int) -> torch.Tensor:
@@ -67,7 +65,7 @@ class QuantTensor:
 
     @property
     def type_name(self) -> str:
-        return KERNEL_TYPES[self.file_type][0]
+        return BY_ID[self.file_type].name
 
     @property
     def nbytes(self) -> int:
@@ -108,7 +106,7 @@ class QuantTensor:
     def packable(self) -> bool:
         """Whether the kernel has a 16-row interleaved form for this matrix's type and shape."""
         rows, cols = self.shape
-        return (self.qtype in PACKED_TYPES and rows % 16 == 0 and cols % KERNEL_TYPES[self.qtype][1] == 0
+        return (not self.is_packed and runs_as_stored(self.qtype, cols) and rows % 16 == 0
                 and kernel_available())
 
     def packed(self) -> QuantTensor:
@@ -148,7 +146,7 @@ def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     q = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
     data = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1).contiguous()
-    return QuantTensor(data, TYPE_IDS["Q8_0"], cols)
+    return QuantTensor(data, type_id("Q8_0"), cols)
 
 
 def pack_stacked(parts: list[QuantTensor]) -> QuantTensor:

@@ -23,128 +23,30 @@
 namespace pagedllm {
 namespace {
 
-struct TypeInfo {
-  int64_t block, bytes;
-};
-
-constexpr TypeInfo type_info(int64_t t) {
-  switch (t) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
-    default: return {0, 0};
+// A raw field (quant_types.h) as a float.
+inline float field_value(Field f, uint16_t raw) {
+  switch (f) {
+    case Field::kF16: return f16_to_f32(raw);
+    case Field::kU8: return static_cast<float>(raw);
+    default: return static_cast<float>(static_cast<int8_t>(raw));
   }
 }
 
-// Sub-block j's scale and min of a K-quant super-block with scales at s.
-void scale_min_k4(const uint8_t* s, int j, float d, float dmin, float* scale, float* min) {
-  uint8_t sc, m;
-  k_scale_min_codes(s, j, &sc, &m);
-  *scale = d * sc, *min = -dmin * m;
-}
-
-// ---- weight unpacking: one 32- or 256-element block into codes q and per-16 scale/offset ----------------------
-// The nibble split (low half, high half of 16 bytes) is vectorised where the build has AVX-512; the rest is
-// per-block scalar work.
-inline void split_nibbles16(const uint8_t* src, uint8_t* lo, uint8_t* hi) {
-#if PL_VNNI
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m128i m = _mm_set1_epi8(0x0f);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm_and_si128(v, m));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm_and_si128(_mm_srli_epi16(v, 4), m));
-#else
-  for (int i = 0; i < 16; ++i) lo[i] = src[i] & 15, hi[i] = src[i] >> 4;
-#endif
-}
-
-inline void split_nibbles32(const uint8_t* src, uint8_t* lo, uint8_t* hi) {
-  split_nibbles16(src, lo, hi);
-  split_nibbles16(src + 16, lo + 16, hi + 16);
-}
-
-// or (bit `shift` of each of 32 bytes) << 4 into q[0..32)
-inline void add_high_bit(const uint8_t* bits, int shift, uint8_t* q) {
-#if PL_VNNI
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
-  const __mmask32 set = _mm256_test_epi8_mask(v, _mm256_set1_epi8(static_cast<char>(1 << shift)));
-  const __m256i cur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_or_si256(cur, _mm256_maskz_mov_epi8(set, _mm256_set1_epi8(16))));
-#else
-  for (int i = 0; i < 32; ++i) q[i] |= ((bits[i] >> shift) & 1) << 4;
-#endif
-}
-
-// or (bits shift, shift + 1 of each of 32 bytes) << 4 into q[0..32)
-inline void add_two_bits(const uint8_t* bits, int shift, uint8_t* q) {
-#if PL_VNNI
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
-  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(3)), 4);
-  const __m256i cur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_or_si256(cur, hi));
-#else
-  for (int i = 0; i < 32; ++i) q[i] |= ((bits[i] >> shift) & 3) << 4;
-#endif
-}
-
-template <int64_t t>
+// ---- weight unpacking: one file block into dot operands q and a scale and offset per 16 elements ---------------
+template <class T>
 inline void unpack_block(const uint8_t* b, uint8_t* q, float* s16, float* o16) {
-  switch (t) {
-    case kQ4_0:
-    case kQ4_1: {
-      const float d = f16_at(b), o = t == kQ4_0 ? -8.f * d : f16_at(b + 2);
-      split_nibbles16(b + (t == kQ4_0 ? 2 : 4), q, q + 16);
-      s16[0] = s16[1] = d, o16[0] = o16[1] = o;
-      return;
-    }
-    case kQ5_0: {
-      const float d = f16_at(b);
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
-      split_nibbles16(b + 6, q, q + 16);
-      for (int i = 0; i < 32; ++i) q[i] |= ((qh >> i) & 1) << 4;
-      s16[0] = s16[1] = d, o16[0] = o16[1] = -16.f * d;
-      return;
-    }
-    case kQ8_0: {
-      const float d = f16_at(b);
-      for (int i = 0; i < 32; ++i) q[i] = b[2 + i] ^ 0x80;  // s8 + 128 as u8
-      s16[0] = s16[1] = d, o16[0] = o16[1] = -128.f * d;
-      return;
-    }
-    case kQ4_K:
-    case kQ5_K: {
-      const float d = f16_at(b), dmin = f16_at(b + 2);
-      const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
-      for (int c = 0; c < 4; ++c) {  // 64 elements: low nibbles are sub-block 2c, high nibbles 2c + 1
-        uint8_t* qc = q + 64 * c;
-        split_nibbles32(qs + 32 * c, qc, qc + 32);
-        if (t == kQ5_K) add_high_bit(b + 16, 2 * c, qc), add_high_bit(b + 16, 2 * c + 1, qc + 32);
-        for (int h = 0; h < 2; ++h) {
-          float sc, mn;
-          scale_min_k4(b + 4, 2 * c + h, d, dmin, &sc, &mn);
-          s16[4 * c + 2 * h] = s16[4 * c + 2 * h + 1] = sc;  // sub-block 2c + h: 16-blocks 4c + 2h, +1
-          o16[4 * c + 2 * h] = o16[4 * c + 2 * h + 1] = mn;
-        }
-      }
-      return;
-    }
-    case kQ6_K: {
-      const float d = f16_at(b + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-        uint8_t* qq = q + 128 * h;
-        split_nibbles32(ql, qq, qq + 64);        // elements l and l + 64
-        split_nibbles32(ql + 32, qq + 32, qq + 96);  // l + 32 and l + 96
-        for (int part = 0; part < 4; ++part) add_two_bits(qh, 2 * part, qq + 32 * part);
-      }
-      for (int j = 0; j < 16; ++j) s16[j] = d * sc[j], o16[j] = -32.f * d * sc[j];
-      return;
-    }
+  constexpr int kNumPer32 = sizeof(T::kPer32) / sizeof(Field);
+  uint8_t codes[T::kBlock];
+  uint16_t head_raw[T::kNumHead + 1], per32_raw[T::kBlock / 32 * kNumPer32];
+  T::decode(b, codes, head_raw, per32_raw);
+  for (int64_t e = 0; e < T::kBlock; ++e) q[e] = static_cast<uint8_t>(operand<T::kCodes>(codes[e]));
+  float head[T::kNumHead + 1];
+  for (int f = 0; f < T::kNumHead; ++f) head[f] = field_value(T::kHead[f], head_raw[f]);
+  for (int64_t blk = 0; blk < T::kBlock / 32; ++blk) {
+    float f[kNumPer32], ws[T::kHalves], wo[T::kHalves];
+    for (int i = 0; i < kNumPer32; ++i) f[i] = field_value(T::kPer32[i], per32_raw[blk * kNumPer32 + i]);
+    T::template scales<float>(head, f, ws, wo);
+    for (int h = 0; h < 2; ++h) s16[2 * blk + h] = ws[h % T::kHalves], o16[2 * blk + h] = wo[h % T::kHalves];
   }
 }
 
@@ -154,23 +56,12 @@ struct WeightRow {
   void resize(int64_t k64) { q.assign(k64, 0), s16.assign(k64 / 16, 0.f), o16.assign(k64 / 16, 0.f); }
 };
 
-template <int64_t t>
-void unpack_blocks(const uint8_t* row, int64_t K, WeightRow& w) {
-  constexpr TypeInfo ti = type_info(t);
-  for (int64_t i = 0, k = 0; k < K; ++i, k += ti.block)
-    unpack_block<t>(row + i * ti.bytes, w.q.data() + k, w.s16.data() + k / 16, w.o16.data() + k / 16);
-}
-
 void unpack_row(int64_t t, const uint8_t* row, int64_t K, WeightRow& w) {
-  switch (t) {
-    case kQ4_0: return unpack_blocks<kQ4_0>(row, K, w);
-    case kQ4_1: return unpack_blocks<kQ4_1>(row, K, w);
-    case kQ5_0: return unpack_blocks<kQ5_0>(row, K, w);
-    case kQ8_0: return unpack_blocks<kQ8_0>(row, K, w);
-    case kQ4_K: return unpack_blocks<kQ4_K>(row, K, w);
-    case kQ5_K: return unpack_blocks<kQ5_K>(row, K, w);
-    case kQ6_K: return unpack_blocks<kQ6_K>(row, K, w);
-  }
+  visit_type(t, [&](auto tag) {
+    using T = typename decltype(tag)::traits;
+    for (int64_t i = 0, k = 0; k < K; ++i, k += T::kBlock)
+      unpack_block<T>(row + i * T::kBytes, w.q.data() + k, w.s16.data() + k / 16, w.o16.data() + k / 16);
+  });
 }
 
 // ---- activation quantization ----------------------------------------------------------------------------
@@ -253,55 +144,6 @@ struct BufferedRow {
 };
 
 #if PL_VNNI
-// StoredRow decodes the stored blocks straight into registers (decode batches: no unpacked copy of the row). It
-// produces exactly the codes, scales and offsets unpack_block does, so both give the same bits.
-template <int64_t t>
-struct StoredRow {
-  const uint8_t* row;
-  float* o;  // per-16 offsets, written chunk by chunk
-  float sc[8], mn[8];  // the current K-quant super-block's sub-block scales and mins
-
-  const float* o16() const { return o; }
-
-  void chunk(int64_t k, __m512i& q, __m512& s) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    if constexpr (t == kQ4_K) {
-      const uint8_t* b = row + k / 256 * 144;
-      const int c = static_cast<int>(k % 256) / 64;
-      if (c == 0)
-        for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, f16_at(b), f16_at(b + 2), &sc[j], &mn[j]);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
-                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
-      s = _mm512_insertf32x8(_mm512_set1_ps(sc[2 * c]), _mm256_set1_ps(sc[2 * c + 1]), 1);
-      o[k / 16] = o[k / 16 + 1] = mn[2 * c], o[k / 16 + 2] = o[k / 16 + 3] = mn[2 * c + 1];
-    } else {
-      constexpr int64_t bytes = type_info(t).bytes;
-      const uint8_t* b0 = row + k / 32 * bytes;
-      const uint8_t* b1 = b0 + bytes;
-      const float d0 = f16_at(b0), d1 = f16_at(b1);
-      float o0, o1;
-      if constexpr (t == kQ8_0) {
-        const __m512i z = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
-        q = _mm512_xor_si512(z, _mm512_set1_epi8(static_cast<char>(0x80)));
-        o0 = -128.f * d0, o1 = -128.f * d1;
-      } else {  // Q4_0, Q4_1: [low nibbles 0, high 0, low 1, high 1] in 128-bit lanes
-        constexpr int qs = t == kQ4_0 ? 2 : 4;
-        const __m256i v = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b1 + qs),
-                                              reinterpret_cast<const __m128i*>(b0 + qs));
-        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
-                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
-        q = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
-        o0 = t == kQ4_0 ? -8.f * d0 : f16_at(b0 + 2), o1 = t == kQ4_0 ? -8.f * d1 : f16_at(b1 + 2);
-      }
-      s = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-      o[k / 16] = o[k / 16 + 1] = o0, o[k / 16 + 2] = o[k / 16 + 3] = o1;
-    }
-  }
-};
-
 template <int NR, int MR, class Src>
 void dot_tile(Src* w, const ActRows& acts, int64_t m0, float (*res)[MR]) {
   const int64_t k64 = acts.k64;
@@ -391,42 +233,20 @@ void rows_buffered(int64_t t, const uint8_t* w, int64_t row_bytes, const ActRows
   }
 }
 
-#if PL_VNNI
-template <int64_t t>
-void rows_stored(const uint8_t* w, int64_t row_bytes, const ActRows& acts, int64_t M, int64_t K, int64_t n0,
-                 int64_t n1, void* out, bool out_f32, int64_t ldo) {
-  thread_local std::vector<float> offsets;
-  offsets.resize(kNR * K / 16);
-  StoredRow<t> rows[kNR];
-  for (int r = 0; r < kNR; ++r) rows[r].o = offsets.data() + r * K / 16;
-  int64_t n = n0;
-  for (; n + kNR <= n1; n += kNR) {
-    for (int r = 0; r < kNR; ++r) rows[r].row = w + (n + r) * row_bytes;
-    dot_rows<kNR>(rows, acts, M, n, out, out_f32, ldo);
-  }
-  for (; n < n1; ++n) {
-    rows[0].row = w + n * row_bytes;
-    dot_rows<1>(rows, acts, M, n, out, out_f32, ldo);
-  }
-}
-#endif
-
-// Up to this many activation rows, types with a StoredRow read their blocks directly.
-constexpr int64_t kStoredRowsMaxM = 4;
-
-bool reads_stored(int64_t t, int64_t M, int64_t K) {
-  return PL_VNNI && M <= kStoredRowsMaxM && K % 64 == 0 &&
-         (t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K);
-}
-
 }  // namespace
 
-bool quant_type_supported(int64_t qtype) { return type_info(qtype).block != 0; }
+bool quant_type_supported(int64_t qtype) {
+  return visit_type(qtype, [](auto) {});
+}
 
 int64_t quant_row_bytes(int64_t qtype, int64_t K) {
   if (qtype >= kPackedBase) return packed_row_bytes(qtype - kPackedBase, K);
-  const TypeInfo ti = type_info(qtype);
-  return ti.block && K % ti.block == 0 ? K / ti.block * ti.bytes : 0;
+  int64_t bytes = 0;
+  visit_type(qtype, [&](auto tag) {
+    using T = typename decltype(tag)::traits;
+    if (K % T::kBlock == 0) bytes = K / T::kBlock * T::kBytes;
+  });
+  return bytes;
 }
 
 void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, void* out, bool out_f32,
@@ -439,18 +259,7 @@ void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, 
   quantize_rows(x, x_f32, M, K, acts);
   // Grain: ~32 KiB of stored weights per task (decode); at least a tile of rows.
   const int64_t grain = std::max<int64_t>(kNR, (32768 / std::max<int64_t>(row_bytes, 1)) / kNR * kNR);
-  const bool stored = reads_stored(qtype, M, K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-#if PL_VNNI
-    if (stored) {
-      switch (qtype) {
-        case kQ4_0: return rows_stored<kQ4_0>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
-        case kQ4_1: return rows_stored<kQ4_1>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
-        case kQ8_0: return rows_stored<kQ8_0>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
-        case kQ4_K: return rows_stored<kQ4_K>(w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
-      }
-    }
-#endif
     rows_buffered(qtype, w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
   });
 }

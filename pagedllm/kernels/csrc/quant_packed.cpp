@@ -1,20 +1,22 @@
 // Quantized linears on GGUF weights repacked once at load: 16 weight rows interleaved per group, one row per
 // fp32 lane, so that the int8 dot (AVX-512 VNNI vpdpbusd, u8 codes x s8 activations) sums each row in its own
-// lane and no horizontal reduction is ever needed (llama.cpp's "x16" repacks follow the same idea).
+// lane and no horizontal reduction is ever needed (llama.cpp's "x16" repacks follow the same idea). Every type of
+// quant_types.h has this form; its layout is derived from the type's traits (Packed<T> below).
 //
-// A packed matrix keeps the file's bits (same bytes per row for Q4_0/Q4_1/Q8_0, +2.8% for Q4_K), regrouped:
-//   group g = rows 16g..16g+15, units of U elements (32; 256 for Q4_K), each unit of the group contiguous:
-//   Q4_0  [codes 256 B][d: 16 x f16]                 Q4_1  [codes 256 B][d: 16 x f16][m: 16 x f16]
-//   Q8_0  [codes 512 B][d: 16 x f16]                 Q4_K  [d: 16 x f16][dmin: 16 x f16] then 8 x 32-blocks of
-//                                                          [codes 256 B][scale: 16 x u8][min: 16 x u8]
-// codes of a 32-element block: 4-bit types in 4 vectors of 64 bytes, vector j lane i = row i's bytes 4j..4j+3
-// (low nibbles: elements 4j..4j+3, high nibbles: 16 + 4j..), 8-bit types in 8 vectors (vector s lane i = row i's
-// elements 4s..4s+3, as s8 + 128). Every block is w = ws * code + wo with per-row fp32 ws, wo (Q4_0: d, -8d;
-// Q4_1: d, m; Q8_0: d, -128d; Q4_K: d * scale, -dmin * min, all exact in fp32).
+// A packed matrix keeps the file's bits, regrouped (the same bytes per row, or a few % more where the file packs
+// 6-bit scales): group g = rows 16g..16g+15, in units of one file block (32 or 256 elements), each unit of the
+// group contiguous:
+//   [head fields, each 16 rows contiguous] then per 32 elements [codes][per-32 fields, each 16 rows contiguous]
+// codes of a 32-element block, for 16 rows: a 4-bit plane of 4 vectors of 64 bytes, vector j lane i = row i's
+// bytes 4j..4j+3 (low nibbles: elements 4j..4j+3, high nibbles: 16 + 4j..), then
+//   k5: 8 masks of 64 bits, mask s bit 4i + b = the fifth bit of row i's element 4s + b;
+//   k6: 2 vectors of 64 bytes, vector v lane i byte b bits 2t, 2t + 1 = the top bits of element 4(4v + t) + b;
+//   k8: instead of the plane, 8 vectors (vector s lane i = row i's elements 4s..4s+3 as u8).
 //
-// Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even) with
-// dsa = da * sum(codes). out[m, n] = sum over blocks, in order, of
-//   acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)      (isum = the exact int32 dot)
+// Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even), with
+// dsa = da * sum(codes) per 32 and per 16. out[m, n] = sum over blocks, in order, of (isum: the exact int32 dot)
+//   one scale per 32:  acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)
+//   one per 16 (Q6_K): acc = fma(float(isum_0), ws_0 * da, acc); the same for half 1; then fma(wo_h, dsa_h, acc)
 // The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal.
 
 #include <ATen/Parallel.h>
@@ -28,7 +30,7 @@
 
 #include "common.h"
 #include "quant_gemm.h"
-
+#include "quant_types.h"
 
 namespace pagedllm {
 namespace {
@@ -36,135 +38,132 @@ namespace {
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the dot the weight stream is prefetched
 
-struct PackedType {
-  int64_t unit, row_bytes;  // elements per unit, bytes per row and unit (= the file's bytes for those elements)
-  bool four_bit;
+// The packed layout of type T (bytes for one unit of a 16-row group).
+template <class T>
+struct Packed {
+  static constexpr int kNumPer32 = sizeof(T::kPer32) / sizeof(Field);
+  static constexpr int64_t kBlocks = T::kBlock / 32;
+  static constexpr int64_t kCodeBytes = T::kCodes == Codes::k8 ? 512 : T::kCodes == Codes::k5 ? 320
+                                        : T::kCodes == Codes::k6 ? 384 : 256;
+  static constexpr int64_t head_offset(int f) {
+    int64_t at = 0;
+    for (int i = 0; i < f; ++i) at += kGroupRows * field_bytes(T::kHead[i]);
+    return at;
+  }
+  static constexpr int64_t per32_offset(int f) {  // within a 32-block, after its codes
+    int64_t at = kCodeBytes;
+    for (int i = 0; i < f; ++i) at += kGroupRows * field_bytes(T::kPer32[i]);
+    return at;
+  }
+  static constexpr int64_t kHeadBytes = head_offset(T::kNumHead);
+  static constexpr int64_t kBlockBytes = per32_offset(kNumPer32);
+  static constexpr int64_t kUnitBytes = kHeadBytes + kBlocks * kBlockBytes;
+  static constexpr int64_t kRowBytes = kUnitBytes / kGroupRows;  // per unit
+  static_assert(kUnitBytes % kGroupRows == 0);
 };
 
-constexpr PackedType packed_type(int64_t base) {
-  switch (base) {
-    case kQ4_0: return {32, 18, true};
-    case kQ4_1: return {32, 20, true};
-    case kQ8_0: return {32, 34, false};
-    case kQ4_K: return {256, 148, true};
-    default: return {0, 0, false};
-  }
-}
-
-constexpr int64_t code_bytes(bool four_bit) { return four_bit ? 256 : 512; }
-
-// Where byte c (0..31) of row `row` sits in a block's code vectors: vector c / 4, lane row, byte c % 4.
+// Where byte c (0..15 of the 4-bit plane, 0..31 of k8 codes) of row `row` sits: vector c / 4, lane row, byte c % 4.
 constexpr int64_t lane_byte(int64_t c, int64_t row) { return (c / 4) * 64 + row * 4 + c % 4; }
 
 // ---- packing ------------------------------------------------------------------------------------------------
-// One row's 32 codes (element order, values < 16) into a 4-bit block at lane `row`.
-void place_nibbles(const uint8_t* codes, int64_t row, uint8_t* dst) {
-  for (int c = 0; c < 16; ++c) dst[lane_byte(c, row)] = codes[c] | (codes[c + 16] << 4);
-}
-
-// Row `row`'s unit (the file's bytes at src) into its lanes of a packed unit. Packing a 1B model touches every
-// byte once, so the common types move whole 4-byte lane words (a load is ~10x faster than byte by byte).
-template <int64_t base>
-void pack_unit(const uint8_t* src, int64_t row, uint8_t* dst) {
-  auto put_f16 = [](uint8_t* at, const uint8_t* from) { std::memcpy(at, from, 2); };
-  if constexpr (base == kQ4_0 || base == kQ4_1) {
-    const uint8_t* qs = src + (base == kQ4_0 ? 2 : 4);  // byte c: element c low, c + 16 high, as placed
-    for (int j = 0; j < 4; ++j) std::memcpy(dst + lane_byte(4 * j, row), qs + 4 * j, 4);
-    put_f16(dst + 256 + 2 * row, src);
-    if constexpr (base == kQ4_1) put_f16(dst + 288 + 2 * row, src + 2);
-  } else if constexpr (base == kQ8_0) {
-    for (int s = 0; s < 8; ++s) {
-      uint32_t four;
-      std::memcpy(&four, src + 2 + 4 * s, 4);
-      four ^= 0x80808080u;  // s8 -> u8 + 128, per byte
-      std::memcpy(dst + lane_byte(4 * s, row), &four, 4);
-    }
-    put_f16(dst + 512 + 2 * row, src);
-  } else {  // Q4_K
-    uint8_t codes[32];
-    put_f16(dst + 2 * row, src), put_f16(dst + 32 + 2 * row, src + 2);
-    const uint8_t *s = src + 4, *qs = src + 16;
-    for (int j = 0; j < 8; ++j) {  // 32-block j: nibble half j % 2 of bytes 32 (j / 2) ..
-      for (int e = 0; e < 32; ++e) codes[e] = (qs[32 * (j / 2) + e] >> (4 * (j % 2))) & 15;
-      uint8_t* blk = dst + 64 + j * 288;
-      place_nibbles(codes, row, blk);
-      k_scale_min_codes(s, j, blk + 256 + row, blk + 272 + row);
-    }
-  }
-}
-
-#if PL_VNNI
-// Q4_0 / Q4_1 / Q8_0: one unit of all 16 rows at once, each lane word gathered from its row (`row0`: the group's
-// first row at this unit; rows `stride` bytes apart).
-template <int64_t base>
-void pack_unit16(const uint8_t* row0, int64_t stride, uint8_t* dst) {
-  const __m512i at = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(stride)),
-                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  auto words = [&](int64_t offset) { return _mm512_i32gather_epi32(at, row0 + offset, 1); };
-  auto store = [](uint8_t* p, __m512i v) { _mm512_storeu_si512(p, v); };
-  auto store_f16 = [](uint8_t* p, __m512i v) {  // the low half of each word
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
-  };
-  if constexpr (base == kQ8_0) {
-    for (int s = 0; s < 8; ++s) store(dst + 64 * s, _mm512_xor_si512(words(2 + 4 * s), _mm512_set1_epi8(-128)));
-    store_f16(dst + 512, words(0));
+template <Codes C>
+void place_codes(const uint8_t* codes, int64_t row, uint8_t* blk) {
+  if constexpr (C == Codes::k8) {
+    for (int s = 0; s < 8; ++s) std::memcpy(blk + 64 * s + 4 * row, codes + 4 * s, 4);
+    return;
   } else {
-    const int64_t codes = base == kQ4_0 ? 2 : 4;
-    for (int j = 0; j < 4; ++j) store(dst + 64 * j, words(codes + 4 * j));
-    const __m512i dm = words(0);
-    store_f16(dst + 256, dm);
-    if constexpr (base == kQ4_1) store_f16(dst + 288, _mm512_srli_epi32(dm, 16));
+    uint8_t plane[16];
+    for (int e = 0; e < 16; ++e) plane[e] = (codes[e] & 15) | ((codes[e + 16] & 15) << 4);
+    for (int j = 0; j < 4; ++j) std::memcpy(blk + 64 * j + 4 * row, plane + 4 * j, 4);
+    if constexpr (C == Codes::k5) {
+      uint32_t fifth = 0;  // bit e: element e's
+      for (int e = 0; e < 32; ++e) fifth |= static_cast<uint32_t>((codes[e] >> 4) & 1) << e;
+      for (int s = 0; s < 8; ++s)  // the group's unit was zeroed first
+        blk[256 + 8 * s + row / 2] |= ((fifth >> (4 * s)) & 15) << (4 * (row % 2));
+    } else if constexpr (C == Codes::k6) {
+      for (int v = 0; v < 2; ++v) {
+        uint8_t top[4] = {0, 0, 0, 0};
+        for (int t = 0; t < 4; ++t)
+          for (int b = 0; b < 4; ++b) top[b] |= ((codes[4 * (4 * v + t) + b] >> 4) & 3) << (2 * t);
+        std::memcpy(blk + 256 + 64 * v + 4 * row, top, 4);
+      }
+    }
   }
 }
-#endif
 
-template <int64_t base>
+inline void put_field(Field f, uint8_t* at, int64_t row, uint16_t v) {
+  if (f == Field::kF16)
+    std::memcpy(at + 2 * row, &v, 2);
+  else
+    at[row] = static_cast<uint8_t>(v);
+}
+
+// Row `row`'s file block at src into its lanes of a packed unit.
+template <class T>
+void pack_unit(const uint8_t* src, int64_t row, uint8_t* dst) {
+  using P = Packed<T>;
+  uint8_t codes[T::kBlock];
+  uint16_t head[T::kNumHead + 1], per32[P::kBlocks * P::kNumPer32];
+  T::decode(src, codes, head, per32);
+  for (int f = 0; f < T::kNumHead; ++f) put_field(T::kHead[f], dst + P::head_offset(f), row, head[f]);
+  for (int64_t b = 0; b < P::kBlocks; ++b) {
+    uint8_t* blk = dst + P::kHeadBytes + b * P::kBlockBytes;
+    place_codes<T::kCodes>(codes + 32 * b, row, blk);
+    for (int f = 0; f < P::kNumPer32; ++f) put_field(T::kPer32[f], blk + P::per32_offset(f), row, per32[b * P::kNumPer32 + f]);
+  }
+}
+
+template <class T>
 void pack_groups(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
-  constexpr PackedType pt = packed_type(base);
-  const int64_t units = K / pt.unit, src_row = quant_row_bytes(base, K), src_unit = src_row / units;
-  const int64_t dst_row = units * pt.row_bytes, dst_unit = kGroupRows * pt.row_bytes;
+  using P = Packed<T>;
+  const int64_t units = K / T::kBlock, src_row = units * T::kBytes, dst_row = units * P::kRowBytes;
   at::parallel_for(0, N / kGroupRows, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* rows = src + g * kGroupRows * src_row;
       uint8_t* group = dst + g * kGroupRows * dst_row;
-#if PL_VNNI
-      if constexpr (base != kQ4_K) {
-        for (int64_t u = 0; u < units; ++u) pack_unit16<base>(rows + u * src_unit, src_row, group + u * dst_unit);
-        continue;
-      }
-#endif
+      std::memset(group, 0, kGroupRows * dst_row);
       for (int64_t i = 0; i < kGroupRows; ++i)
-        for (int64_t u = 0; u < units; ++u)
-          pack_unit<base>(rows + i * src_row + u * src_unit, i, group + u * dst_unit);
+        for (int64_t u = 0; u < units; ++u) pack_unit<T>(rows + i * src_row + u * T::kBytes, i, group + u * P::kUnitBytes);
     }
   });
 }
 
 // ---- reading one row of a group (the portable path and row lookups) -------------------------------------------
-// Row i's 32-block at element k of group g: its scale, offset and codes.
-struct RowBlock {
-  float ws, wo;
-  const uint8_t* codes;
-};
-
-RowBlock row_block(int64_t base, const uint8_t* g, int64_t i, int64_t k) {
-  const PackedType pt = packed_type(base);
-  const uint8_t* p = g + k / pt.unit * kGroupRows * pt.row_bytes;
-  if (base == kQ4_K) {
-    const uint8_t* blk = p + 64 + (k % 256) / 32 * 288;
-    return {f16_at(p + 2 * i) * static_cast<float>(blk[256 + i]),
-            0.f - f16_at(p + 32 + 2 * i) * static_cast<float>(blk[272 + i]), blk};
-  }
-  const int64_t cb = code_bytes(pt.four_bit);
-  const float ws = f16_at(p + cb + 2 * i);
-  return {ws, base == kQ4_1 ? f16_at(p + cb + 32 + 2 * i) : ws * (base == kQ4_0 ? -8.f : -128.f), p};
+// Row i's stored code of element e (0..31) in a 32-block's codes.
+template <Codes C>
+inline int code_at(const uint8_t* blk, int64_t i, int e) {
+  if constexpr (C == Codes::k8) return blk[lane_byte(e, i)];
+  const uint8_t byte = blk[lane_byte(e % 16, i)];
+  int q = e < 16 ? byte & 15 : byte >> 4;
+  if constexpr (C == Codes::k5) q |= ((blk[256 + 8 * (e / 4) + i / 2] >> (4 * (i % 2) + e % 4)) & 1) << 4;
+  if constexpr (C == Codes::k6) q |= ((blk[256 + 64 * (e / 16) + 4 * i + e % 4] >> (2 * ((e / 4) % 4))) & 3) << 4;
+  return q;
 }
 
-// Element e (0..31) of row i in a block's codes.
-inline int code_at(bool four_bit, const uint8_t* codes, int64_t i, int e) {
-  if (!four_bit) return codes[lane_byte(e, i)];
-  const uint8_t byte = codes[lane_byte(e % 16, i)];
-  return e < 16 ? byte & 15 : byte >> 4;
+inline float field_at(Field f, const uint8_t* at, int64_t i) {
+  switch (f) {
+    case Field::kF16: return f16_at(at + 2 * i);
+    case Field::kU8: return static_cast<float>(at[i]);
+    default: return static_cast<float>(static_cast<int8_t>(at[i]));
+  }
+}
+
+// Row i's scales and offsets of the 32-block at element k of group g (ws[h], wo[h] for each half h).
+template <class T>
+void row_scales(const uint8_t* g, int64_t i, int64_t k, float* ws, float* wo) {
+  using P = Packed<T>;
+  const uint8_t* unit = g + k / T::kBlock * P::kUnitBytes;
+  const uint8_t* blk = unit + P::kHeadBytes + (k % T::kBlock) / 32 * P::kBlockBytes;
+  float head[T::kNumHead + 1], f[P::kNumPer32];
+  for (int j = 0; j < T::kNumHead; ++j) head[j] = field_at(T::kHead[j], unit + P::head_offset(j), i);
+  for (int j = 0; j < P::kNumPer32; ++j) f[j] = field_at(T::kPer32[j], blk + P::per32_offset(j), i);
+  T::template scales<float>(head, f, ws, wo);
+}
+
+template <class T>
+const uint8_t* row_codes(const uint8_t* g, int64_t k) {
+  using P = Packed<T>;
+  return g + k / T::kBlock * P::kUnitBytes + P::kHeadBytes + (k % T::kBlock) / 32 * P::kBlockBytes;
 }
 
 // ---- activations ----------------------------------------------------------------------------------------------
@@ -172,10 +171,11 @@ struct Acts {
   int64_t K = 0;
   std::unique_ptr<int8_t[]> a;   // [M, K]
   std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
+  std::unique_ptr<float[]> ds16;  // [M, K / 16]: scale x sum of the codes of each 16
 };
 
-// One 32-block: codes round(v * 127 / amax) (half to even), returns their sum; *d = amax / 127.
-inline int quantize_block(const float* v, int8_t* a, float* d) {
+// One 32-block: codes round(v * 127 / amax) (half to even); sums[h] = the sum of codes 16h..16h+15; *d = amax / 127.
+inline void quantize_block(const float* v, int8_t* a, float* d, int* sums) {
 #if PL_VNNI
   const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -184,19 +184,18 @@ inline int quantize_block(const float* v, int8_t* a, float* d) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
   *d = amax / 127.f;
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  sums[0] = _mm512_reduce_add_epi32(q0), sums[1] = _mm512_reduce_add_epi32(q1);
 #else
   float amax = 0.f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
+  sums[0] = sums[1] = 0;
   for (int i = 0; i < 32; ++i) {
     const int q = static_cast<int>(std::nearbyint(v[i] * inv));  // the default rounding: half to even
     a[i] = static_cast<int8_t>(q);
-    sum += q;
+    sums[i / 16] += q;
   }
   *d = amax / 127.f;
-  return sum;
 #endif
 }
 
@@ -205,6 +204,7 @@ void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) 
   acts.a.reset(new int8_t[M * K]);
   acts.d.reset(new float[M * K / 32]);
   acts.ds.reset(new float[M * K / 32]);
+  acts.ds16.reset(new float[M * K / 16]);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     float v[32];
     for (int64_t m = m0; m < m1; ++m)
@@ -214,73 +214,110 @@ void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) 
         if (!x_f32)
           for (int i = 0; i < 32; ++i) v[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
         float d;
-        const int sum = quantize_block(block, acts.a.get() + at, &d);
-        acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sum);
+        int sums[2];
+        quantize_block(block, acts.a.get() + at, &d, sums);
+        acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sums[0] + sums[1]);
+        acts.ds16[at / 16] = d * static_cast<float>(sums[0]), acts.ds16[at / 16 + 1] = d * static_cast<float>(sums[1]);
       }
   });
 }
 
 // ---- one group of 16 weight rows against MR activation rows: acc[j] lane i = out[m0 + j, 16 g + i] ------------
 #if PL_VNNI
-inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m512 u8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+inline __m512 field16(Field f, const uint8_t* p) {
+  switch (f) {
+    case Field::kF16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    case Field::kU8: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
 }
 
-template <bool four_bit, int MR>
-inline void block(const uint8_t* codes, __m512 ws, __m512 wo, const Acts& A, int64_t m0, int64_t k, __m512* acc) {
-  __m512i c[8];
-  if constexpr (four_bit) {
+// The 8 code vectors of a 32-block (vector s lane i: row i's dot operands of elements 4s..4s+3).
+template <Codes C>
+inline void load_codes(const uint8_t* blk, __m512i* c) {
+  if constexpr (C == Codes::k8) {
+    for (int s = 0; s < 8; ++s) c[s] = _mm512_loadu_si512(blk + 64 * s);
+    return;
+  } else {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+      const __m512i v = _mm512_loadu_si512(blk + 64 * j);
       c[j] = _mm512_and_si512(v, low4), c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-  } else {
-    for (int s = 0; s < 8; ++s) c[s] = _mm512_loadu_si512(codes + 64 * s);
+    if constexpr (C == Codes::k5) {
+      const __m512i bit4 = _mm512_set1_epi8(16);
+      for (int s = 0; s < 8; ++s) {
+        uint64_t m;
+        std::memcpy(&m, blk + 256 + 8 * s, 8);
+        c[s] = _mm512_mask_add_epi8(c[s], _cvtu64_mask64(m), c[s], bit4);  // codes < 16: + 16 sets bit 4
+      }
+    } else if constexpr (C == Codes::k6) {
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      for (int v = 0; v < 2; ++v) {
+        const __m512i top = _mm512_loadu_si512(blk + 256 + 64 * v);
+        const __m512i at4[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top, _mm512_srli_epi16(top, 2)};
+        // c | (at4 & 0x30): bits 2t, 2t + 1 of each byte moved to bits 4, 5
+        for (int t = 0; t < 4; ++t) c[4 * v + t] = _mm512_ternarylogic_epi32(c[4 * v + t], at4[t], bits45, 0xF8);
+      }
+    } else if constexpr (C == Codes::kNL4) {
+      alignas(16) int8_t lut[16];
+      for (int i = 0; i < 16; ++i) lut[i] = static_cast<int8_t>(operand<C>(i));
+      const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lut)));
+      for (int s = 0; s < 8; ++s) c[s] = _mm512_shuffle_epi8(table, c[s]);
+    }
   }
+}
+
+// The dots of one 32-block against MR activation rows, folded into acc by the block's scales.
+template <int H, int MR>
+inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, const Acts& A, int64_t m0, int64_t k,
+                       __m512* acc) {
   // unrolled, so that acc[] stays in registers (a loop over j kept the accumulators on the stack: a store and a
   // reload in every row's chain, which halved the GEMM's rate)
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) {
     const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
-    __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // two chains: dpbusd's latency
+    __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // elements 0..15, 16..31
     for (int s = 0; s < 8; ++s) {
       int32_t four;
       std::memcpy(&four, a + 4 * s, 4);
-      part[s % 2] = _mm512_dpbusd_epi32(part[s % 2], c[s], _mm512_set1_epi32(four));
+      part[s / 4] = _mm512_dpbusd_epi32(part[s / 4], c[s], _mm512_set1_epi32(four));
     }
-    const __m512i isum = _mm512_add_epi32(part[0], part[1]);
     const int64_t b = ((m0 + j) * A.K + k) / 32;
-    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_set1_ps(A.d[b])), acc[j]);
-    acc[j] = _mm512_fmadd_ps(wo, _mm512_set1_ps(A.ds[b]), acc[j]);
+    const __m512 da = _mm512_set1_ps(A.d[b]);
+    if constexpr (H == 1) {
+      const __m512i isum = _mm512_add_epi32(part[0], part[1]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[0], da), acc[j]);
+      acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b]), acc[j]);
+    } else {
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[0]), _mm512_mul_ps(ws[0], da), acc[j]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), _mm512_mul_ps(ws[1], da), acc[j]);
+      acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds16[2 * b]), acc[j]);
+      acc[j] = _mm512_fmadd_ps(wo[1], _mm512_set1_ps(A.ds16[2 * b + 1]), acc[j]);
+    }
   }
 }
 
-template <int64_t base, int MR>
+template <class T, int MR>
 void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc) {
-  constexpr PackedType pt = packed_type(base);
+  using P = Packed<T>;
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
-  constexpr int64_t unit_bytes = kGroupRows * pt.row_bytes;
-  for (int64_t k = 0; k < A.K; k += pt.unit) {
-    const uint8_t* p = g + k / pt.unit * unit_bytes;
+  for (int64_t k = 0; k < A.K; k += T::kBlock) {
+    const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
     // the weights stream from memory once per call: ask for the next units ahead of the hardware prefetcher
-    for (int64_t l = 0; l < unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
-    if constexpr (base == kQ4_K) {
-      const __m512 d = f16x16(p), dmin = f16x16(p + 32);
-      for (int j = 0; j < 8; ++j) {
-        const uint8_t* blk = p + 64 + j * 288;
-        const __m512 ws = _mm512_mul_ps(d, u8x16(blk + 256));
-        const __m512 wo = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, u8x16(blk + 272)));
-        block<true, MR>(blk, ws, wo, A, m0, k + 32 * j, acc);
-      }
-    } else {
-      constexpr int64_t cb = code_bytes(pt.four_bit);
-      const __m512 ws = f16x16(p + cb);
-      const __m512 wo = base == kQ4_1 ? f16x16(p + cb + 32)
-                                      : _mm512_mul_ps(ws, _mm512_set1_ps(base == kQ4_0 ? -8.f : -128.f));
-      block<pt.four_bit, MR>(p, ws, wo, A, m0, k, acc);
+    for (int64_t l = 0; l < P::kUnitBytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
+    __m512 head[T::kNumHead + 1];
+    for (int f = 0; f < T::kNumHead; ++f) head[f] = field16(T::kHead[f], p + P::head_offset(f));
+    for (int64_t b = 0; b < P::kBlocks; ++b) {
+      const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
+      __m512 f[P::kNumPer32], ws[T::kHalves], wo[T::kHalves];
+      for (int i = 0; i < P::kNumPer32; ++i) f[i] = field16(T::kPer32[i], blk + P::per32_offset(i));
+      T::template scales<__m512>(head, f, ws, wo);
+      __m512i c[8];
+      load_codes<T::kCodes>(blk, c);
+      block_dots<T::kHalves, MR>(c, ws, wo, A, m0, k + 32 * b, acc);
     }
   }
 }
@@ -299,28 +336,36 @@ void store_tile(const __m512* acc, void* out, bool out_f32, int64_t ldo, int64_t
   }
 }
 
-template <int64_t base, int MR>
+template <class T, int MR>
 void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0) {
   __m512 acc[MR];
-  group_tile<base, MR>(g, A, m0, acc);
+  group_tile<T, MR>(g, A, m0, acc);
   store_tile<MR>(acc, out, out_f32, ldo, m0, n0);
 }
 #else
 // The same arithmetic one output at a time.
-template <int64_t base, int MR>
+template <class T, int MR>
 void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0) {
-  constexpr bool four_bit = packed_type(base).four_bit;
   for (int j = 0; j < MR; ++j)
     for (int i = 0; i < kGroupRows; ++i) {
       float acc = 0.f;
       for (int64_t k = 0; k < A.K; k += 32) {
-        const RowBlock rb = row_block(base, g, i, k);
+        float ws[T::kHalves], wo[T::kHalves];
+        row_scales<T>(g, i, k, ws, wo);
+        const uint8_t* blk = row_codes<T>(g, k);
         const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
-        int32_t isum = 0;
-        for (int e = 0; e < 32; ++e) isum += code_at(four_bit, rb.codes, i, e) * a[e];
+        int32_t part[2] = {0, 0};
+        for (int e = 0; e < 32; ++e) part[e / 16] += operand<T::kCodes>(code_at<T::kCodes>(blk, i, e)) * a[e];
         const int64_t b = ((m0 + j) * A.K + k) / 32;
-        acc = std::fma(static_cast<float>(isum), rb.ws * A.d[b], acc);
-        acc = std::fma(rb.wo, A.ds[b], acc);
+        if constexpr (T::kHalves == 1) {
+          acc = std::fma(static_cast<float>(part[0] + part[1]), ws[0] * A.d[b], acc);
+          acc = std::fma(wo[0], A.ds[b], acc);
+        } else {
+          acc = std::fma(static_cast<float>(part[0]), ws[0] * A.d[b], acc);
+          acc = std::fma(static_cast<float>(part[1]), ws[1] * A.d[b], acc);
+          acc = std::fma(wo[0], A.ds16[2 * b], acc);
+          acc = std::fma(wo[1], A.ds16[2 * b + 1], acc);
+        }
       }
       const int64_t at = (m0 + j) * ldo + n0 + i;
       if (out_f32)
@@ -331,24 +376,24 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
 }
 #endif
 
-template <int64_t base>
+template <class T>
 void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, int64_t N, int64_t ldo) {
-  constexpr PackedType pt = packed_type(base);
-  const int64_t group_bytes = kGroupRows * (A.K / pt.unit) * pt.row_bytes;
+  const int64_t group_bytes = A.K / T::kBlock * Packed<T>::kUnitBytes;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
   at::parallel_for(0, N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gw = w + g * group_bytes;
+      const int64_t n0 = g * kGroupRows;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) tile<base, 8>(gw, A, m, out, out_f32, ldo, g * kGroupRows);
+      for (; m + 8 <= M; m += 8) tile<T, 8>(gw, A, m, out, out_f32, ldo, n0);
       switch (M - m) {  // the rest in one tile: the group's codes unpacked once (a verification of k drafts: k + 1)
-        case 7: tile<base, 7>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
-        case 6: tile<base, 6>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
-        case 5: tile<base, 5>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
-        case 4: tile<base, 4>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
-        case 3: tile<base, 3>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
-        case 2: tile<base, 2>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
-        case 1: tile<base, 1>(gw, A, m, out, out_f32, ldo, g * kGroupRows); break;
+        case 7: tile<T, 7>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 6: tile<T, 6>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 5: tile<T, 5>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 4: tile<T, 4>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 3: tile<T, 3>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 2: tile<T, 2>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 1: tile<T, 1>(gw, A, m, out, out_f32, ldo, n0); break;
       }
     }
   });
@@ -357,13 +402,18 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
 }  // namespace
 
 bool packable(int64_t base, int64_t N, int64_t K) {
-  const PackedType pt = packed_type(base);
-  return pt.unit != 0 && N % kGroupRows == 0 && K % pt.unit == 0;
+  int64_t block = 0;
+  visit_type(base, [&](auto tag) { block = decltype(tag)::traits::kBlock; });
+  return block != 0 && N % kGroupRows == 0 && K % block == 0;
 }
 
 int64_t packed_row_bytes(int64_t base, int64_t K) {
-  const PackedType pt = packed_type(base);
-  return pt.unit && K % pt.unit == 0 ? K / pt.unit * pt.row_bytes : 0;
+  int64_t bytes = 0;
+  visit_type(base, [&](auto tag) {
+    using T = typename decltype(tag)::traits;
+    if (K % T::kBlock == 0) bytes = K / T::kBlock * Packed<T>::kRowBytes;
+  });
+  return bytes;
 }
 
 void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base, void* out, bool out_f32,
@@ -372,12 +422,7 @@ void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base
   if (M == 0) return;
   Acts acts;
   quantize_acts(x, x_f32, M, K, acts);
-  switch (base) {
-    case kQ4_0: return gemm<kQ4_0>(acts, w, out, out_f32, M, N, ldo);
-    case kQ4_1: return gemm<kQ4_1>(acts, w, out, out_f32, M, N, ldo);
-    case kQ8_0: return gemm<kQ8_0>(acts, w, out, out_f32, M, N, ldo);
-    case kQ4_K: return gemm<kQ4_K>(acts, w, out, out_f32, M, N, ldo);
-  }
+  visit_type(base, [&](auto tag) { gemm<typename decltype(tag)::traits>(acts, w, out, out_f32, M, N, ldo); });
 }
 
 }  // namespace pagedllm
@@ -400,21 +445,15 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& parts, int64_t qtype, int64
   at::Tensor out = at::empty({rows, dst_row}, parts[0].options());
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (const at::Tensor& w : parts) {
-    const uint8_t* src = w.data_ptr<uint8_t>();
     const int64_t N = w.size(0);
-    switch (qtype) {
-      case kQ4_0: pack_groups<kQ4_0>(src, dst, N, K); break;
-      case kQ4_1: pack_groups<kQ4_1>(src, dst, N, K); break;
-      case kQ8_0: pack_groups<kQ8_0>(src, dst, N, K); break;
-      case kQ4_K: pack_groups<kQ4_K>(src, dst, N, K); break;
-    }
+    visit_type(qtype, [&](auto tag) { pack_groups<typename decltype(tag)::traits>(w.data_ptr<uint8_t>(), dst, N, K); });
     dst += N * dst_row;
   }
   return out;
 }
 
 // Rows `ids` of a packed matrix (type kPackedBase + base) dequantized to fp32 [len(ids), K] (embedding lookups,
-// tests): exactly the file's values (ws * code + wo is exact in fp32 for these types).
+// tests): exactly the file's values.
 at::Tensor quant_packed_rows(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& ids) {
   using namespace pagedllm;
   const int64_t base = qtype - kPackedBase;
@@ -423,23 +462,45 @@ at::Tensor quant_packed_rows(const at::Tensor& w, int64_t qtype, int64_t K, cons
               "quant_packed_rows: not a packed matrix of type ", qtype);
   const at::Tensor idx = ids.to(at::kLong).contiguous();
   at::Tensor out = at::empty({idx.numel(), K}, w.options().dtype(at::kFloat));
-  const bool four_bit = packed_type(base).four_bit;
-  for (int64_t r = 0; r < idx.numel(); ++r) {
-    const int64_t n = idx.data_ptr<int64_t>()[r];
-    TORCH_CHECK(n >= 0 && n < w.size(0), "quant_packed_rows: row ", n, " out of range");
-    const uint8_t* g = w.data_ptr<uint8_t>() + n / kGroupRows * kGroupRows * w.size(1);
-    float* o = out.data_ptr<float>() + r * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      const RowBlock rb = row_block(base, g, n % kGroupRows, k);
-      for (int e = 0; e < 32; ++e) o[k + e] = rb.ws * static_cast<float>(code_at(four_bit, rb.codes, n % kGroupRows, e)) + rb.wo;
+  visit_type(base, [&](auto tag) {
+    using T = typename decltype(tag)::traits;
+    for (int64_t r = 0; r < idx.numel(); ++r) {
+      const int64_t n = idx.data_ptr<int64_t>()[r], i = n % kGroupRows;
+      TORCH_CHECK(n >= 0 && n < w.size(0), "quant_packed_rows: row ", n, " out of range");
+      const uint8_t* g = w.data_ptr<uint8_t>() + n / kGroupRows * kGroupRows * w.size(1);
+      float* o = out.data_ptr<float>() + r * K;
+      for (int64_t k = 0; k < K; k += 32) {
+        float ws[T::kHalves], wo[T::kHalves];
+        row_scales<T>(g, i, k, ws, wo);
+        const uint8_t* blk = row_codes<T>(g, k);
+        for (int e = 0; e < 32; ++e) {
+          const int h = T::kHalves == 1 ? 0 : e / 16;
+          // one rounding of ws * (operand - offset), as the file's dequantization rounds it
+          o[k + e] = std::fma(ws[h], static_cast<float>(operand<T::kCodes>(code_at<T::kCodes>(blk, i, e))), wo[h]);
+        }
+      }
     }
-  }
+  });
   return out;
+}
+
+// The C++ side of the type table, for the test that holds pagedllm/quantization/types.py equal to it: int64
+// [types, 4] rows of (ggml id, block elements, block bytes, packed bytes per row and block).
+at::Tensor quant_type_table() {
+  using namespace pagedllm;
+  std::vector<int64_t> rows;
+  for_each_type([&](auto tag) {
+    using T = typename decltype(tag)::traits;
+    rows.insert(rows.end(), {decltype(tag)::value, T::kBlock, T::kBytes, Packed<T>::kRowBytes});
+  });
+  const int64_t n = static_cast<int64_t>(rows.size()) / 4;
+  return at::tensor(rows, at::kLong).view({n, 4}).clone();
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("quant_type_table", &quant_type_table);
   m.def("quant_pack", &quant_pack);
   m.def("quant_packed_rows", &quant_packed_rows);
 }

@@ -1,0 +1,308 @@
+// The GGUF block types the quantized GEMMs read: one traits struct per type (llama.cpp's type_traits is the model),
+// and the one list of them (QuantTypes). Python's row of each type is in pagedllm/quantization/types.py; the
+// quant_type_table op reports these so that a test holds the two equal.
+//
+// A type's traits say:
+//   kBlock, kBytes        the file's block: elements and bytes
+//   kCodes                how the packed form stores a weight's code (Codes below)
+//   kHead, kPer32         the scale fields of each block (kHead: once per file block; kPer32: per 32 elements),
+//                         as raw fp16 bits or bytes (Field)
+//   kHalves               scale groups per 32 elements: 1, or 2 where the type scales each 16 (Q6_K)
+//   decode(src, codes, head, per32)
+//                         one file block into its codes (element order) and raw fields
+//   scales(head, per32, ws, wo)
+//                         the fields as floats (or 16 rows of them in AVX-512 vectors) -> each 32-element block's
+//                         (or half's) scale ws and offset wo: weight = ws * operand(code) + wo, exact in fp32
+// Everything else (the packed layout, the kernels, row lookups) is derived from these.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common.h"
+
+namespace pagedllm {
+
+// ggml type ids (the GGUF file's).
+enum QType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
+  kIQ4_XS = 23
+};
+
+// How a code is stored in the packed form, and what the int8 dot's unsigned operand is.
+enum class Codes {
+  k4,    // 4 bits (operand = code)
+  k5,    // 4 bits + a fifth bit in a separate bit plane
+  k6,    // 4 bits + two bits in a separate plane
+  k8,    // a byte
+  kNL4,  // a 4-bit index into kNonLinear4 (operand = kNonLinear4[code] + 128)
+};
+
+enum class Field : uint8_t { kF16, kU8, kS8 };
+
+constexpr int64_t field_bytes(Field f) { return f == Field::kF16 ? 2 : 1; }
+
+// IQ4_NL / IQ4_XS: the 16 weight values a 4-bit index selects (before the block scale).
+constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// The dot's unsigned operand for a stored code.
+template <Codes C>
+inline int operand(int code) {
+  if constexpr (C == Codes::kNL4) return kNonLinear4[code] + 128;
+  return code;
+}
+
+// The fp16 value stored (unaligned) at p.
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// 16 bytes: low nibbles to codes[0..16), high nibbles to codes[16..32) (the 32-element layout of Q4_0 and kin).
+inline void nibbles32(const uint8_t* qs, uint8_t* codes) {
+  for (int i = 0; i < 16; ++i) codes[i] = qs[i] & 15, codes[i + 16] = qs[i] >> 4;
+}
+
+// K-quants' 12-byte packing of eight 6-bit scales and mins (ggml's get_scale_min_k4): sub-block j's codes.
+inline void k_scale_min_codes(const uint8_t* s, int j, uint8_t* scale, uint8_t* min) {
+  if (j < 4) {
+    *scale = s[j] & 63, *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K and Q5_K: 64-element chunk c takes 32 quant bytes; low nibbles are sub-block 2c, high nibbles 2c + 1.
+inline void k_nibbles(const uint8_t* qs, uint8_t* codes) {
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) codes[64 * c + l] = qs[32 * c + l] & 15, codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+}
+
+template <int64_t T>
+struct Traits;
+
+// 32-element blocks with an fp16 scale d: weight = d * (operand - kZero).
+template <int kZero>
+struct Scale32 {
+  static constexpr int64_t kBlock = 32, kHalves = 1;
+  static constexpr Field kHead[] = {Field::kF16};  // unused (kNumHead = 0): an array cannot be empty
+  static constexpr int kNumHead = 0;
+  static constexpr Field kPer32[] = {Field::kF16};
+  template <class V>
+  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * static_cast<float>(-kZero); }
+};
+
+// 32-element blocks with fp16 d and m: weight = d * code + m.
+struct ScaleMin32 {
+  static constexpr int64_t kBlock = 32, kHalves = 1;
+  static constexpr Field kHead[] = {Field::kF16};  // unused
+  static constexpr int kNumHead = 0;
+  static constexpr Field kPer32[] = {Field::kF16, Field::kF16};
+  template <class V>
+  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[1]; }
+};
+
+// Q5_0 / Q5_1: the fifth bits of the 32 elements in a little-endian u32 before the nibbles.
+inline void q5_codes(const uint8_t* qh, const uint8_t* qs, uint8_t* codes) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  nibbles32(qs, codes);
+  for (int i = 0; i < 32; ++i) codes[i] |= ((h >> i) & 1) << 4;
+}
+
+template <>
+struct Traits<kQ4_0> : Scale32<8> {
+  static constexpr int64_t kBytes = 18;
+  static constexpr Codes kCodes = Codes::k4;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    nibbles32(b + 2, codes);
+  }
+};
+
+template <>
+struct Traits<kQ4_1> : ScaleMin32 {
+  static constexpr int64_t kBytes = 20;
+  static constexpr Codes kCodes = Codes::k4;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b), per32[1] = u16_at(b + 2);
+    nibbles32(b + 4, codes);
+  }
+};
+
+template <>
+struct Traits<kQ5_0> : Scale32<16> {
+  static constexpr int64_t kBytes = 22;
+  static constexpr Codes kCodes = Codes::k5;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    q5_codes(b + 2, b + 6, codes);
+  }
+};
+
+template <>
+struct Traits<kQ5_1> : ScaleMin32 {
+  static constexpr int64_t kBytes = 24;
+  static constexpr Codes kCodes = Codes::k5;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b), per32[1] = u16_at(b + 2);
+    q5_codes(b + 4, b + 8, codes);
+  }
+};
+
+template <>
+struct Traits<kQ8_0> : Scale32<128> {
+  static constexpr int64_t kBytes = 34;
+  static constexpr Codes kCodes = Codes::k8;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    for (int i = 0; i < 32; ++i) codes[i] = b[2 + i] ^ 0x80;  // s8 -> u8 + 128
+  }
+};
+
+template <>
+struct Traits<kIQ4_NL> : Scale32<128> {  // operands kNonLinear4[code] + 128
+  static constexpr int64_t kBytes = 18;
+  static constexpr Codes kCodes = Codes::kNL4;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
+    per32[0] = u16_at(b);
+    nibbles32(b + 2, codes);
+  }
+};
+
+// Q4_K / Q5_K: d, dmin per 256; a 6-bit scale and min per 32 (weight = d * scale * q - dmin * min).
+struct KScaleMin {
+  static constexpr int64_t kBlock = 256, kHalves = 1;
+  static constexpr Field kHead[] = {Field::kF16, Field::kF16};  // d, dmin
+  static constexpr int kNumHead = 2;
+  static constexpr Field kPer32[] = {Field::kU8, Field::kU8};  // scale, min
+  static void fields(const uint8_t* b, uint16_t* head, uint16_t* per32) {
+    head[0] = u16_at(b), head[1] = u16_at(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, mn;
+      k_scale_min_codes(b + 4, j, &sc, &mn);
+      per32[2 * j] = sc, per32[2 * j + 1] = mn;
+    }
+  }
+  template <class V>
+  static void scales(const V* h, const V* f, V* ws, V* wo) { ws[0] = h[0] * f[0], wo[0] = -(h[1] * f[1]); }
+};
+
+template <>
+struct Traits<kQ4_K> : KScaleMin {
+  static constexpr int64_t kBytes = 144;
+  static constexpr Codes kCodes = Codes::k4;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
+    fields(b, head, per32);
+    k_nibbles(b + 16, codes);
+  }
+};
+
+template <>
+struct Traits<kQ5_K> : KScaleMin {
+  static constexpr int64_t kBytes = 176;
+  static constexpr Codes kCodes = Codes::k5;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
+    fields(b, head, per32);
+    k_nibbles(b + 48, codes);
+    const uint8_t* qh = b + 16;  // bit 2c of qh[l]: element l of sub-block 2c; bit 2c + 1: of sub-block 2c + 1
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) codes[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
+  }
+};
+
+// Q6_K: 6-bit codes (weight = d * scale_16 * (q - 32)), an int8 scale per 16 elements, d last.
+template <>
+struct Traits<kQ6_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 210, kHalves = 2;
+  static constexpr Codes kCodes = Codes::k6;
+  static constexpr Field kHead[] = {Field::kF16};  // d
+  static constexpr int kNumHead = 1;
+  static constexpr Field kPer32[] = {Field::kS8, Field::kS8};  // the scales of elements 0..15, 16..31
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
+    head[0] = u16_at(b + 208);
+    for (int j = 0; j < 16; ++j) per32[j] = b[192 + j];
+    for (int h = 0; h < 2; ++h) {  // halves of 128: element l, l + 32, l + 64, l + 96 (l < 32)
+      const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+      uint8_t* q = codes + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        q[l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+        q[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+        q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+  }
+  template <class V>
+  static void scales(const V* h, const V* f, V* ws, V* wo) {
+    ws[0] = h[0] * f[0], ws[1] = h[0] * f[1];
+    wo[0] = ws[0] * -32.f, wo[1] = ws[1] * -32.f;
+  }
+};
+
+// IQ4_XS: d per 256, a 6-bit scale (minus 32) per 32, 4-bit indices into kNonLinear4.
+template <>
+struct Traits<kIQ4_XS> {
+  static constexpr int64_t kBlock = 256, kBytes = 136, kHalves = 1;
+  static constexpr Codes kCodes = Codes::kNL4;
+  static constexpr Field kHead[] = {Field::kF16};  // d
+  static constexpr int kNumHead = 1;
+  static constexpr Field kPer32[] = {Field::kS8};  // scale - 32
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
+    head[0] = u16_at(b);
+    const uint16_t high = u16_at(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+      per32[j] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+      nibbles32(b + 8 + 16 * j, codes + 32 * j);
+    }
+  }
+  template <class V>
+  static void scales(const V* h, const V* f, V* ws, V* wo) { ws[0] = h[0] * f[0], wo[0] = ws[0] * -128.f; }
+};
+
+// Every type the kernels read, in one list: adding a type is its Traits and one entry here (and its Python row).
+template <int64_t... Ts>
+struct TypeList {};
+using QuantTypes = TypeList<kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS>;
+
+template <int64_t T>
+struct TypeTag {
+  static constexpr int64_t value = T;
+  using traits = Traits<T>;
+};
+
+// Calls f(TypeTag<T>{}) for the type whose id is `qtype`; returns false where no listed type has that id.
+template <class F, int64_t... Ts>
+bool visit_type_in(TypeList<Ts...>, int64_t qtype, F&& f) {
+  return ((qtype == Ts ? (f(TypeTag<Ts>{}), true) : false) || ...);
+}
+
+template <class F>
+bool visit_type(int64_t qtype, F&& f) {
+  return visit_type_in(QuantTypes{}, qtype, static_cast<F&&>(f));
+}
+
+template <class F, int64_t... Ts>
+void for_each_type_in(TypeList<Ts...>, F&& f) {
+  (f(TypeTag<Ts>{}), ...);
+}
+
+template <class F>
+void for_each_type(F&& f) {
+  for_each_type_in(QuantTypes{}, static_cast<F&&>(f));
+}
+
+}  // namespace pagedllm
