@@ -71,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.kv_tier = None  # core/kv_tier.TierCoordinator when a disk tier backs the prefix cache
         self._watermark_blocks = max(1, math.ceil(config.watermark * kv_cache_manager.num_blocks))
 
     # ---- admission -------------------------------------------------------------------------------
@@ -132,6 +133,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.kv_tier is not None:  # requests whose prefix came back from disk: first in line again
+            self.waiting.extendleft(reversed(self.kv_tier.take_loaded()))
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -168,11 +171,18 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            reserve = self._watermark_blocks if self.running else 0
+            if self.kv_tier is not None:  # more of its prefix on disk: it waits (off the queue) while it loads
+                loading = self.kv_tier.maybe_load(req, num_cached, reserve)
+                if loading is False:
+                    break
+                if loading:
+                    self.waiting.popleft()
+                    continue
             num_new = req.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            reserve = self._watermark_blocks if self.running else 0
             copies = self.kv.allocate_slots(req, num_new, cached_blocks, num_reserved_blocks=reserve)
             if copies is None:
                 break
@@ -222,9 +232,13 @@ class Scheduler:
     # ---- ending ----------------------------------------------------------------------------------
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """Stop requests (stop, length or abort): their blocks are freed at once."""
+        requests = list(requests)
         finished = {id(r) for r in requests}
         if not finished:
             return
+        if self.kv_tier is not None:
+            for req in self.kv_tier.cancel(requests):
+                req.status = status
         for req in list(self.running) + list(self.waiting):
             if id(req) in finished:
                 if req.status == RequestStatus.RUNNING:
