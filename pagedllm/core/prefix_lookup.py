@@ -20,7 +20,6 @@ from pagedllm.core.kv_cache_errors import InvalidComputedBlocksError
 from pagedllm.core.kv_cache_utils import block_extra_keys, hash_block_tokens, hash_request_blocks
 from pagedllm.core.request import Request
 
-
 # Stands, in a lookup's result, for a block the second tier holds (to be loaded into a pool block). Not a pool block.
 ON_DISK = KVBlock(-2)
 

@@ -73,6 +73,8 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
     try:
         while not all(g.done for g in groups):
             out = sched.schedule()
+            if out.is_empty and engine.wait_for_kv_loads():
+                continue  # a beam's prefix is coming back from the disk tier
             if out.is_empty:
                 raise RuntimeError("beam search cannot make progress: KV cache too small for the beams")
             sampling, logits = engine.run_model(out)

@@ -15,6 +15,7 @@ from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
+from pagedllm.engine.disk_tier import make_disk_tier
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SamplingPlan, SpecDecodeStats
@@ -73,6 +74,9 @@ class LLMEngine:
                                               vocab_size=self.model_config.vocab_size)
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
+        self.disk_tier = make_disk_tier(self, args.kv_disk_cache_dir, args.kv_disk_cache_size)  # None: off
+        if self.disk_tier is not None:
+            self.scheduler.kv_tier = self.disk_tier.coordinator
         self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity (KV %s, "
                     "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
@@ -180,6 +184,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         out = self.scheduler.schedule()
+        if self.disk_tier is not None:
+            self.disk_tier.before_execute()  # before the model writes into blocks the pool just evicted
+            if out.is_empty:
+                self.disk_tier.after_step(idle=True)  # a request may be waiting for its blocks from disk
         if out.is_empty:
             return failed_grammars
         self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
@@ -196,6 +204,8 @@ class LLMEngine:
             outputs += self.output_processor.process(plan, sampled)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._draft_room)
+        if self.disk_tier is not None:
+            self.disk_tier.after_step()
         return outputs
 
     def _draft_room(self, request) -> int:
@@ -209,6 +219,8 @@ class LLMEngine:
     def run_model(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run the model on a scheduled batch and advance the scheduler. Returns the entries that sample, in
         the order of their logits rows, and those logits [rows, vocab]."""
+        if self.disk_tier is not None:
+            self.disk_tier.before_execute()
         logits = self._run(out.scheduled, out.block_copies)
         return self.scheduler.update_after_step(out), logits
 
@@ -266,7 +278,30 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests waiting to run, those reading their prefix from the disk tier included."""
+        loading = self.disk_tier.coordinator.num_loading if self.disk_tier is not None else 0
+        return len(self.scheduler.waiting) + loading
+
+    def wait_for_kv_loads(self) -> bool:
+        """Wait for a disk-tier load (beam search, when nothing else can run); False if none is in flight."""
+        if self.disk_tier is None or not self.disk_tier.coordinator.loads:
+            return False
+        self.disk_tier.after_step(idle=True)
+        return True
+
+    def close(self) -> None:
+        """Shutdown: write the cached KV blocks the disk tier lacks, so that a restart finds them."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Forget every cached block (False, nothing changed, while requests hold blocks); reset_external: also
+        delete the disk tier's entries."""
+        if not self.kv.reset_prefix_cache():
+            return False
+        if reset_external and self.disk_tier is not None:
+            self.disk_tier.clear()
+        return True
 
     def reset_stats(self) -> None:
         """Start new measurements: the peak of used blocks (from the blocks in use now) and the mean slot
@@ -297,4 +332,6 @@ class LLMEngine:
         spec = self.output_processor.spec_stats
         stats["spec_decode_num_draft_tokens"] = spec.num_draft_tokens
         stats["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens
+        if self.disk_tier is not None:
+            stats.update(self.disk_tier.stats())
         return stats
