@@ -44,7 +44,7 @@ def test_load_pins_blocks_then_the_request_hits_them_in_ram():
     a = Request("a", list(range(13)))
     run(m, a)
     m.free(a)
-    for bid, k in tier.take_spills():
+    for _, k in tier.take_spills():
         disk.add(k)
     m.reset_prefix_cache()  # the pool forgets: only the disk has the prefix now
     r = Request("r", list(range(13)) + [99])
@@ -93,7 +93,7 @@ def test_scheduler_takes_a_loading_request_off_the_queue_and_back_first():
     s.add_request(other)
     out = s.schedule()
     assert [x.request for x in out.scheduled] == [other] and not s.waiting and tier.num_loading == 1
-XX
+    other.num_computed_tokens = other.num_tokens  # the step ran: other has nothing to run until it samples
     (load,) = tier.take_new_loads()
     tier.finish_load(load.load_id, [True] * 3)
     out = s.schedule()
