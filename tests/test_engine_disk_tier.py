@@ -21,13 +21,14 @@ BS = 4
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=0)
+def models(tmp_path_factory) -> dict:
+    """Tiny random checkpoints: a Llama, and a Gemma 3 (hybrid KV: one full and two sliding groups)."""
+    return {arch: make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=3) for arch in ("llama", "gemma3")}
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3", seed=3)
+def llama_dir(models):
+    return models["llama"]
 
 
 def make_llm(path, disk, **kw) -> LLM:
@@ -58,8 +59,8 @@ def assert_no_leak(llm: LLM) -> None:
 
 @pytest.mark.parametrize("arch,kw", [("llama", {}), ("llama", {"kv_cache_dtype": "int8"}), ("gemma3", {})],
                          ids=["plain", "int8-kv", "hybrid"])
-def test_same_tokens_from_prefill_ram_disk_and_restart(llama_dir, gemma_dir, tmp_path, arch, kw):
-    path = llama_dir if arch == "llama" else gemma_dir
+def test_same_tokens_from_prefill_ram_disk_and_restart(models, tmp_path, arch, kw):
+    path = models[arch]
     if arch == "gemma3":  # 3 KV groups: a request holds a block per group (a window's worth in the sliding ones)
         kw.update(num_kv_blocks=64, max_num_batched_tokens=24)
     (prompt,) = prompts(1, 1, 70)
@@ -149,4 +150,18 @@ def test_another_models_entries_are_never_read(llama_dir, tmp_path_factory, tmp_
     assert out.num_cached_tokens == 0 and disk_hits(b) == 0
     assert b.engine.disk_tier.store.dir != a.engine.disk_tier.store.dir
     assert a.engine.disk_tier.store.contains(next(iter(a.engine.disk_tier.store._index)))
+    b.engine.close()
+
+
+def test_two_engines_on_one_directory_share_prefixes(llama_dir, tmp_path):
+    """As data-parallel replicas on one machine: a prefix one computed (written at its completion) is the other's
+    hit, without a restart."""
+    (prompt,) = prompts(10, 1, 70)
+    a, b = make_llm(llama_dir, tmp_path), make_llm(llama_dir, tmp_path)
+    first = a.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert a.engine.disk_tier.worker.flush(30)
+    second = b.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 68 and disk_hits(b) == 68
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    a.engine.close()
     b.engine.close()

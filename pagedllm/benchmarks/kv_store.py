@@ -35,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="where the stores live (default: a temporary directory)")
 
 
-def _drop_cache(root: str) -> None:
+def drop_page_cache(root: str) -> None:
     """Evict the store's file pages from the page cache (a device read next, as after a reboot)."""
     for dirpath, _, files in os.walk(root):
         for f in files:
@@ -142,7 +142,7 @@ def _measure(make: Callable[[str], object], root: str, keys: list[bytes], values
     run_keys = keys[-run:]
     warm_s = _timed(lambda: [store.get(k) for k in run_keys])
     store.close()
-    _drop_cache(root)
+    drop_page_cache(root)
     store = make(root)  # reopened, as after a restart
     cold_s = _timed(lambda: [store.get(k) for k in run_keys])
     assert store.get(keys[0]) == values[0]

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from pagedllm.benchmarks import common
+from pagedllm.benchmarks.kv_store import drop_page_cache
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -47,17 +48,6 @@ def _ttft(llm, prompt: list[int], rid: str) -> float:
 
     res = common.drive(llm.engine, [(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0))], sample=False)
     return res.first_token_time[rid]
-
-
-def _drop_page_cache(root: str) -> None:
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def measure_ttft(args, disk_dir: str, plen: int, reps: int) -> dict:
@@ -84,7 +74,7 @@ def measure_ttft(args, disk_dir: str, plen: int, reps: int) -> dict:
     hits = llm.kv_cache_stats()["prefix_cache_disk_hits"]
     llm.engine.close()
     del llm
-    _drop_page_cache(disk_dir)
+    drop_page_cache(disk_dir)
     llm = _llm(args, disk_dir)
     common.warm_up(llm)
     for rep in range(reps):
