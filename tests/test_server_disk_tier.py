@@ -4,6 +4,8 @@ the tier in /metrics and /kv, and POST /reset_prefix_cache?reset_external=true e
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 from server_harness import API_KEY, LiveServer, assert_idle_no_leak, engine_state
@@ -65,3 +67,19 @@ def test_restart_finds_the_prefix_on_disk(model_dir, tmp_path):
         assert r.status_code == 200 and r.json() == {"reset": True}
         assert engine_state(engine)["kv_disk_store_blocks"] == 0
         assert_idle_no_leak(engine)
+
+
+def test_stats_line_shows_the_tiers(caplog):
+    from pagedllm.metrics import StatsLogger
+
+    stats = {"num_blocks": 10, "num_free_blocks": 10, "num_running": 1, "prefix_cache_queries": 1000,
+             "prefix_cache_hits": 600, "prefix_cache_disk_hits": 400, "kv_disk_store_bytes": 3 << 20,
+             "kv_disk_loaded_bytes": 2 << 20, "kv_disk_spilled_bytes": 1 << 20, "kv_disk_dropped_spills": 2,
+             "kv_disk_load_seconds": {"count": 4, "sum": 0.2}, "kv_disk_spill_seconds": {"count": 8, "sum": 0.016}}
+    logger = StatsLogger(interval=10.0)
+    with caplog.at_level(logging.INFO, logger="pagedllm.stats"):
+        assert logger.maybe_log(stats, 100, 10, now=logger._last_time + 11)
+    line = caplog.records[-1].getMessage()
+    assert "Prefix hits by tier: RAM 20.0%, disk 40.0%" in line
+    assert "read 2.0 MiB in 4 loads (50 ms each), wrote 1.0 MiB (2.0 ms per block), 2 spills dropped" in line
+    assert "store 3.0 MiB" in line
