@@ -152,6 +152,20 @@ def measure_decode(args, disk_dir: str, n: int, reps: int) -> dict:
     for llm in engines.values():
         common.warm_up(llm)
     spilled = 0
+    tier = engines["on"].engine.disk_tier
+    tier_s = [0.0]  # engine-thread time inside the tier's calls (on the step's path)
+
+    def timed(fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                tier_s[0] += time.perf_counter() - t0
+        return run
+
+    tier.before_execute, tier.after_step = timed(tier.before_execute), timed(tier.after_step)
+    on_s, cpu0 = 0.0, tier.worker.writer_cpu_seconds
     for rep in range(reps):
         for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):  # alternate: drift hits both alike
             llm = engines[mode]
@@ -162,15 +176,23 @@ def measure_decode(args, disk_dir: str, n: int, reps: int) -> dict:
             res = common.drive(llm.engine, reqs, sample=False)
             rates[mode].append(wl.num_output_tokens / res.elapsed)
             if mode == "on":
+                on_s += res.elapsed
                 spilled += llm.kv_cache_stats()["kv_disk_spilled_blocks"] - s0
                 assert llm.engine.disk_tier.worker.flush(600)
                 llm.engine.disk_tier.clear()  # every repeat spills afresh
             print(f"decode rep {rep} tier {mode}: {rates[mode][-1]:.1f} output tok/s", file=sys.stderr, flush=True)
+    writer_cpu = tier.worker.writer_cpu_seconds - cpu0
     engines["on"].engine.close()
     med = {k: common.median(v) for k, v in rates.items()}
+    # What spilling costs, robust to a busy machine: the engine thread's time in the tier (on the step's path) and
+    # the writer thread's CPU time (taken from the model's threads at worst), over the runs with the tier on.
+    cost = {"engine_thread": tier_s[0] / on_s, "writer_cpu": writer_cpu / (on_s * args.threads)}
     print(f"decode throughput: tier off {med['off']:.1f}, on {med['on']:.1f} output tok/s: on/off "
-          f"{med['on'] / med['off']:.3f} (target >= 0.97); {spilled} blocks spilled in the measured runs")
-    return {"rates": rates, "median": med, "ratio": med["on"] / med["off"], "spilled_blocks": spilled}
+          f"{med['on'] / med['off']:.3f} (target >= 0.97); {spilled} blocks spilled in the measured runs; cost "
+          f"of spilling: {100 * cost['engine_thread']:.2f}% of the time on the engine thread + "
+          f"{100 * cost['writer_cpu']:.2f}% of {args.threads} threads' CPU in the writer")
+    return {"rates": rates, "median": med, "ratio": med["on"] / med["off"], "spilled_blocks": spilled,
+            "cost": cost}
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -65,6 +65,7 @@ class KVOffloadWorker:
         self._closed = False
         self.num_spilled = self.num_dropped = self.num_loaded = self.num_load_failed = 0
         self.spilled_bytes = self.loaded_bytes = 0
+        self.writer_cpu_seconds = 0.0  # CPU time the writer thread spent writing (it competes with the model's)
         self.spill_latency = LatencyHistogram()
         self.load_latency = LatencyHistogram()
         self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-spill", daemon=True)
@@ -141,10 +142,12 @@ class KVOffloadWorker:
                     return
                 key, payload, t0 = self._writes.popleft()
             ok = False
+            cpu = time.thread_time()
             try:
                 ok = self.store.put(key, payload)
             except Exception:  # a spill must never take the engine down
                 logger.exception("disk KV cache: spill failed")
+            self.writer_cpu_seconds += time.thread_time() - cpu
             with self._cond:
                 self._queued.discard(key)
                 self._queued_bytes -= len(payload)
