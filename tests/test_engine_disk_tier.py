@@ -165,3 +165,18 @@ def test_two_engines_on_one_directory_share_prefixes(llama_dir, tmp_path):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     a.engine.close()
     b.engine.close()
+
+
+def test_beam_search_waits_for_its_prefix_from_disk(llama_dir, tmp_path):
+    from pagedllm import BeamSearchParams
+
+    (prompt,) = prompts(11, 1, 70)
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    llm = make_llm(llama_dir, tmp_path)
+    cold = llm.beam_search([prompt], params)[0]
+    push_out_of_ram(llm, seed=12)
+    warm = llm.beam_search([prompt], params)[0]
+    assert disk_hits(llm) == 68
+    assert [s.tokens for s in warm.sequences] == [s.tokens for s in cold.sequences]
+    assert_no_leak(llm)
+    llm.engine.close()

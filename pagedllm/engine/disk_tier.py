@@ -91,11 +91,12 @@ class DiskTier:
 
     def before_execute(self) -> None:
         """After scheduling, before the model step writes: copy out the evicted blocks, then start the loads
-        (a load's target may be one of those evicted blocks)."""
+        (a load's target may be one of those evicted blocks); collect the loads that completed meanwhile."""
         c = self.coordinator
         self.worker.spill(c.take_spills())
         for load in c.take_new_loads():
             self.worker.start_load(load.load_id, [(b.block_id, key) for b, key in load.targets])
+        self._collect_loads()
 
     def after_step(self, idle: bool = False) -> None:
         """Offer the blocks freed this step (finished requests: written at completion) and collect the loads that
@@ -104,8 +105,12 @@ class DiskTier:
         self.worker.spill(c.take_spills())
         if idle and c.loads:
             self.worker.wait(0.01)
+        self._collect_loads()
+
+    def _collect_loads(self) -> None:
+        """Completed loads register their blocks; their requests go back to the queue at the next schedule()."""
         for load_id, ok in self.worker.poll():
-            c.finish_load(load_id, ok)
+            self.coordinator.finish_load(load_id, ok)
 
     def close(self) -> None:
         """Write every cached block the store lacks and wait for the writes (shutdown); then stop the threads."""
@@ -113,8 +118,7 @@ class DiskTier:
             return
         self._closed = True
         self.worker.spill(self.coordinator.take_spills())
-        for load_id, ok in self.worker.poll():
-            self.coordinator.finish_load(load_id, ok)
+        self._collect_loads()
         blocks = self.coordinator.cached_free_blocks()
         step = max(1, QUEUE_BYTES // self.block_bytes)  # in slices: the queue holds a bounded number of bytes
         for i in range(0, len(blocks), step):
