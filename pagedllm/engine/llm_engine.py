@@ -286,6 +286,7 @@ class LLMEngine:
         """Wait for a disk-tier load (beam search, when nothing else can run); False if none is in flight."""
         if self.disk_tier is None or not self.disk_tier.coordinator.loads:
             return False
+        self.disk_tier.before_execute()  # starts the loads the last schedule() began
         self.disk_tier.after_step(idle=True)
         return True
 
