@@ -12,6 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pagedllm.kv_tier_metrics import DiskTierMetrics, stats_clause
 from pagedllm.outputs import RequestOutput
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "StatsLogger"]
@@ -84,6 +85,7 @@ class EngineMetrics:
                                 registry=r)
         self.model_name = model_name
         self._last: dict[str, float] = {}
+        self.disk_tier: DiskTierMetrics | None = None  # made when the engine's stats first show a disk tier
 
     def observe_finished(self, out: RequestOutput) -> None:
         """The per-request histograms and the finish-reason counter, once a request has finished."""
@@ -118,6 +120,10 @@ class EngineMetrics:
             if delta > 0:  # engine counters only grow; a reset engine just restarts the baseline
                 getattr(self, attr).inc(delta)
             self._last[key] = value
+        if "kv_disk_store_bytes" in stats:
+            if self.disk_tier is None:
+                self.disk_tier = DiskTierMetrics(self.registry, self.model_name)
+            self.disk_tier.update(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -130,6 +136,7 @@ class StatsLogger:
         self.interval = interval
         self._last_time = time.monotonic()
         self._last: dict[str, float] = {}
+        self._last_disk: dict[str, float] = {}  # the disk tier's clause counts since the last line
 
     def maybe_log(self, stats: dict, prompt_tokens: int, generation_tokens: int, now: float | None = None) -> bool:
         """Log one line if `interval` has passed and something ran since the last line; True if logged."""
@@ -146,14 +153,15 @@ class StatsLogger:
             return False
         num_blocks = stats.get("num_blocks") or 1
         queries = stats.get("prefix_cache_queries", 0)
+        disk = ", " + stats_clause(stats, self._last_disk) if "kv_disk_store_bytes" in stats else ""
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d%s",
             (prompt_tokens - last["prompt"]) / elapsed, (generation_tokens - last["gen"]) / elapsed,
             stats.get("num_running", 0), stats.get("num_waiting", 0),
             100.0 * (num_blocks - stats.get("num_free_blocks", num_blocks)) / num_blocks,
             100.0 * stats.get("prefix_cache_hits", 0) / queries if queries else 0.0,
-            stats.get("num_preemptions", 0))
+            stats.get("num_preemptions", 0), disk)
         return True
 
 

@@ -28,6 +28,7 @@ from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import hash_request_blocks
 from pagedllm.core.kv_groups import plan_kv_groups
+from pagedllm.core.kv_tier import TierCoordinator
 from pagedllm.core.prefix_lookup import first_needed_block
 from pagedllm.core.request import Request
 
@@ -41,11 +42,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCoreMachine(RuleBasedStateMachine):
+    FORCE_DISK = False  # KVTierMachine: every run has the disk tier
     @initialize(block_size=st.sampled_from([1, 2, 4, 4]), num_blocks=st.integers(6, 32),
                 layout=st.sampled_from([("paged", True), ("paged", True), ("paged", False), ("contiguous", False)]),
-                groups=st.sampled_from(["one", "one", "window", "hybrid"]), window=st.integers(1, 7))
-    def setup(self, block_size: int, num_blocks: int, layout: tuple[str, bool], groups: str, window: int) -> None:
+                groups=st.sampled_from(["one", "one", "window", "hybrid"]), window=st.integers(1, 7),
+                disk=st.sampled_from([False, True, True]))
+    def setup(self, block_size: int, num_blocks: int, layout: tuple[str, bool], groups: str, window: int,
+              disk: bool) -> None:
         contiguous, caching = layout[0] == "contiguous", layout[1]
+        if self.FORCE_DISK:
+            contiguous, caching, disk = False, True, True
         self.B = block_size
         self.max_len = 12
         self.contiguous = contiguous and cdiv(self.max_len, block_size) <= num_blocks
@@ -64,6 +70,10 @@ class KVCoreMachine(RuleBasedStateMachine):
         self.pending: dict[str, tuple[int, int, list[tuple[int, int]]]] = {}  # rid -> (start, n, copies)
         self.memory: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
         self.next_id = 0
+        self.disk: dict[bytes, list[int | None]] = {}  # the second tier: key -> the spilled block's tokens
+        self.tier = TierCoordinator(self.m, self.disk.__contains__) if disk and caching and not self.contiguous \
+            else None
+        event("disk tier" if self.tier else "no disk tier")
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _new_id(self) -> str:
@@ -95,10 +105,19 @@ class KVCoreMachine(RuleBasedStateMachine):
     def _idle(self) -> list[Request]:
         return [r for r in self.live if r.request_id not in self.pending]
 
+    def _spill(self) -> None:
+        """The worker, before the step's writes: copy out what the pool evicted or freed since the last call."""
+        if self.tier is not None:
+            for bid, key in self.tier.take_spills():
+                if key not in self.disk:  # as the store: a key it holds is not written again
+                    self.disk[key] = list(self.memory[bid])
+                    event("spilled")
+
     def _allocate(self, r: Request, n: int, hits=None, reserve: int = 0) -> bool:
         before = self._snapshot()
         start = r.num_computed_tokens + self._num_hits(hits) * self.B
         copies = self.m.allocate_slots(r, n, hits, num_reserved_blocks=reserve)
+        self._spill()
         if copies is None:  # (a sliding window gives back its dead blocks even then)
             assert self.windowed or self._snapshot() == before, "a failed allocation changed the pool"
             event("allocation refused")
@@ -121,12 +140,55 @@ class KVCoreMachine(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(TOKENS, min_size=1, max_size=6),
           chunk=st.integers(1, 12), reserve=st.integers(0, 3), salt=st.sampled_from([None, None, "t"]))
     def admit(self, prefix, tail, chunk, reserve, salt) -> None:
-        r = Request(self._new_id(), (prefix + tail)[: self.max_len - 1], cache_salt=salt)
+        self._admit(Request(self._new_id(), (prefix + tail)[: self.max_len - 1], cache_salt=salt), chunk, reserve)
+
+    def _admit(self, r: Request, chunk: int, reserve: int) -> None:
+        """The scheduler's admission: pool lookup, then the disk tier (which may take the request to load)."""
         hits, n_cached = self.m.get_computed_blocks(r)
         assert n_cached == self._num_hits(hits) * self.B < r.num_tokens
+        if self.tier is not None:
+            loading = self.tier.maybe_load(r, n_cached, reserve)
+            self._spill()  # its target blocks may have evicted cached ones
+            if loading is not None:
+                event("load started" if loading else "load refused")
+                return
         if self._allocate(r, min(chunk, r.num_tokens - n_cached), hits, reserve):
             r.num_computed_tokens = n_cached  # what the scheduler does after a successful admission
             self.live.append(r)
+
+    @precondition(lambda self: self.tier is not None and bool(self.tier.loads))
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def finish_load(self, data, chunk) -> None:
+        """The worker reads a load's blocks (a read may fail: a corrupt or vanished file, which the store then
+        forgets); the request is admitted again and must now find the loaded blocks in the pool."""
+        load = data.draw(st.sampled_from(list(self.tier.loads.values())))
+        ok = []
+        for block, key in load.targets:
+            good = key in self.disk and data.draw(st.integers(0, 4)) > 0
+            if good:
+                self.memory[block.block_id] = list(self.disk[key])
+            else:
+                self.disk.pop(key, None)
+                event("load failed")
+            ok.append(good)
+        r = load.request
+        if r is not None:  # a loaded block holds exactly the tokens of its block of the prefix
+            for (block, _), pos, good in zip(load.targets, load.positions, ok, strict=True):
+                if good:
+                    assert self.memory[block.block_id] == r.all_token_ids[pos * self.B:(pos + 1) * self.B]
+        self.tier.finish_load(load.load_id, ok)
+        for req in self.tier.take_loaded():
+            event("admitted after a load")
+            self._admit(req, chunk, 0)
+
+    @precondition(lambda self: self.tier is not None and bool(self.tier.loads))
+    @rule(data=st.data())
+    def abort_loading(self, data) -> None:
+        load = data.draw(st.sampled_from(list(self.tier.loads.values())))
+        r = load.request
+        if r is not None:
+            assert self.tier.cancel([r]) == [r] and load.request is None
+            assert self.tier.cancel([r]) == []
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self._idle()))
     @rule(data=st.data())
@@ -181,6 +243,7 @@ class KVCoreMachine(RuleBasedStateMachine):
         drafts = drafts[: self.max_len - r.num_tokens - 1]  # room for the bonus token too
         start = r.num_computed_tokens
         copies = self.m.allocate_slots(r, 1 + len(drafts))
+        self._spill()
         if copies is None:
             return
         for src, dst in copies:
@@ -220,7 +283,7 @@ class KVCoreMachine(RuleBasedStateMachine):
                 seen = [self.memory[table[t // self.B]][t % self.B] for t in range(first, r.num_computed_tokens)]
                 assert seen == r.all_token_ids[first:r.num_computed_tokens], f"{r.request_id} reads wrong K/V"
 
-    @precondition(lambda self: not self.pending)
+    @precondition(lambda self: not self.pending and not (self.tier and self.tier.loads))
     @rule()
     def free_all(self) -> None:
         for r in self.live:
@@ -240,6 +303,8 @@ class KVCoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         holders = Counter(b for r in self.live for table in self._tables(r) for b in table if b is not None)
+        for load in self.tier.loads.values() if self.tier else ():  # a load pins its blocks until it completes
+            holders.update(b.block_id for b in load.pinned)
         for b in self.m.block_pool.blocks:
             assert b.ref_cnt == holders[b.block_id], f"block {b.block_id}: ref {b.ref_cnt} != {holders[b.block_id]}"
 
@@ -298,6 +363,9 @@ class KVCoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         self.step()
+        if self.tier is not None:
+            for load in list(self.tier.loads.values()):
+                self.tier.finish_load(load.load_id, [False] * len(load.targets))
         for r in self.live:
             self.m.free(r)
         assert self.m.num_free_blocks() == self.m.num_blocks
@@ -308,3 +376,13 @@ KVCoreMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestKVCore = KVCoreMachine.TestCase
+
+
+class KVTierMachine(KVCoreMachine):
+    FORCE_DISK = True
+
+
+KVTierMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestKVTier = KVTierMachine.TestCase

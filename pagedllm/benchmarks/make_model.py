@@ -4,6 +4,7 @@ OUT.gguf` (the embedded SmolLM2 tokenizer; shapes and types in pagedllm.benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -21,13 +22,14 @@ def cached_model(shape: str, file_type: str) -> str:
     return path
 
 
-def write(shape: str, file_type: str, path: str, seed: int = 0) -> None:
+def write(shape: str, file_type: str, path: str, seed: int = 0, context: int | None = None) -> None:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     t0 = time.perf_counter()
-    write_random_gguf(tmp, SHAPES[shape], file_type, seed=seed)
+    spec = SHAPES[shape] if context is None else dataclasses.replace(SHAPES[shape], context=context)
+    write_random_gguf(tmp, spec, file_type, seed=seed)
     os.replace(tmp, path)  # never leave a half-written model under the final name
     print(f"wrote {path} ({os.path.getsize(path) / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s")
 
@@ -37,7 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--type", required=True, choices=FILE_TYPES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context", type=int, default=None, help="context length in the file (default: the shape's)")
 
 
 def run(args: argparse.Namespace) -> None:
-    write(args.shape, args.type, args.out, args.seed)
+    write(args.shape, args.type, args.out, args.seed, args.context)

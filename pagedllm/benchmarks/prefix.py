@@ -1,6 +1,7 @@
 """Prefix caching on vs off: 64 requests sharing a 1024-token system prompt plus 64 unique tokens, 64 out.
 
-`pagedllm bench prefix [--quick] [--num-requests 64] [--prefix-len 1024]`. Two scenarios, each with caching on
+`pagedllm bench prefix [--quick] [--num-requests 64] [--prefix-len 1024]`; `--disk` measures the prefix cache's
+disk tier instead (benchmarks/prefix_disk.py). Two scenarios, each with caching on
 and off: "burst" submits all requests at once (TTFT then includes queueing behind the others' prefills: the
 DESIGN.md workload), "isolated" sends requests one at a time after one warm request (TTFT is then the prefill
 latency alone: what a cached prefix saves one user). Reports TTFT p50/p99, total time, peak KV blocks and the
@@ -14,7 +15,7 @@ import sys
 
 import numpy as np
 
-from pagedllm.benchmarks import common
+from pagedllm.benchmarks import common, prefix_disk
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolated-requests", type=int, default=None,
                    help="requests in the one-at-a-time scenario (default 8; --quick 3; 0 skips it)")
     p.add_argument("--block-size", type=int, default=16)
+    prefix_disk.add_args(p)
 
 
 def make_workload(n: int, prefix_len: int, suffix_len: int, output_len: int, seed: int,
@@ -66,6 +68,8 @@ def _run(llm, wl: common.Workload, tag: str, isolated: bool) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
 
+    if args.disk:
+        return prefix_disk.measure(args)
     common.set_threads(args.threads)
     q = args.quick
     n = args.num_requests or (8 if q else 64)

@@ -128,6 +128,14 @@ class BlockPool:
         # One block per hash: a block whose hash is already cached elsewhere stays uncached (a duplicate).
         self.cached_block_hash_to_block: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # A second tier of the prefix cache (core/kv_tier.py) sets these lists to hear of cached blocks that are
+        # evicted (block_id, hash: the contents are still intact until the next model step writes) and of cached
+        # blocks that became free (spill candidates). None: nobody listens.
+        self.evicted: list[tuple[int, bytes]] | None = None
+        self.freed_cached: list[KVBlock] | None = None
+        # block_id -> references held outside any block table (the tier's loads pin blocks): a manager counts a
+        # block as held by its tables while ref_cnt - pins > 0
+        self.pins: dict[int, int] = {}
 
     def num_free_blocks(self) -> int:
         """Blocks with ref_cnt 0, cached or not."""
@@ -139,8 +147,11 @@ class BlockPool:
             raise BlockPoolError(f"cannot allocate a negative number of blocks ({n})")
         blocks = self.free_block_queue.popleft_n(n)  # raises NoFreeBlocksError before any change
         cache = self.cached_block_hash_to_block
+        evicted = self.evicted
         for b in blocks:
             if b.block_hash is not None:  # eviction: the old contents are about to be overwritten
+                if evicted is not None:
+                    evicted.append((b.block_id, b.block_hash))
                 del cache[b.block_hash]
                 b.block_hash = None
                 self.num_evictions += 1
@@ -185,10 +196,18 @@ class BlockPool:
             if b.ref_cnt <= 0:
                 raise BlockPoolError(f"block {b.block_id} is already free (ref_cnt={b.ref_cnt})")
         append = self.free_block_queue.append
+        freed = self.freed_cached
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 append(b)
+                if freed is not None and b.block_hash is not None:
+                    freed.append(b)
+
+    def table_refs(self, block: KVBlock) -> int:
+        """References to the block from block tables (its ref count less the pins)."""
+        pins = self.pins
+        return block.ref_cnt - pins.get(block.block_id, 0) if pins else block.ref_cnt
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (returns False otherwise)."""

@@ -49,6 +49,12 @@ class HybridKVCacheManager(PoolUsage):
             g.set_lookup_memo(request, hashes)
         return per_group, hit * self.block_size
 
+    def group_keys(self) -> list:
+        return [g._key for g in self.groups]
+
+    def lookup_hashes(self, request: Request) -> list[bytes]:
+        return self.groups[0].lookup_hashes(request)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[list[KVBlock]] | None = None,
                        num_reserved_blocks: int = 0) -> list[tuple[int, int]] | None:

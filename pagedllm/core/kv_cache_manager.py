@@ -110,6 +110,14 @@ class KVCacheManager(PoolUsage):
         self.set_lookup_memo(request, hashes)
         return blocks, num_hit * self.block_size
 
+    def group_keys(self) -> list[lookup.GroupKey]:
+        """The cache key (tag, window) of each KV group: here the one group."""
+        return [self._key]
+
+    def lookup_hashes(self, request: Request) -> list[bytes]:
+        """The block hashes the last lookup of this request computed (empty if another lookup came since)."""
+        return self._memo_hashes(request)
+
     def set_lookup_memo(self, request: Request, hashes: list[bytes]) -> None:
         """Remember the hashes a lookup computed, for the allocate_slots of the same request that follows."""
         self._lookup_memo = (request, request.num_tokens, hashes)
@@ -203,7 +211,8 @@ class KVCacheManager(PoolUsage):
         if ncb:
             live = [b for b in ncb if b is not NULL_BLOCK]
             self.block_pool.touch(live)
-            self.num_held_blocks += sum(1 for b in live if b.ref_cnt == 1)
+            table_refs = self.block_pool.table_refs
+            self.num_held_blocks += sum(1 for b in live if table_refs(b) == 1)
             plan.state.blocks.extend(ncb)
             plan.state.block_hashes = list(plan.known_hashes[:len(ncb)])
             plan.state.num_full_blocks = plan.state.num_hit_blocks = len(ncb)
@@ -260,8 +269,9 @@ class KVCacheManager(PoolUsage):
         blocks = [b for b in blocks if b is not NULL_BLOCK]
         self.block_pool.free_blocks(blocks)
         fill = self._fill
+        table_refs = self.block_pool.table_refs  # (a block the disk tier pins is held by no table)
         for b in blocks:
-            if b.ref_cnt == 0:
+            if table_refs(b) == 0:
                 self.num_held_blocks -= 1
                 self._used_slots -= fill[b.block_id]
                 fill[b.block_id] = 0
@@ -333,7 +343,7 @@ class KVCacheManager(PoolUsage):
         # forget their hashes.
         start = max(request.num_computed_tokens // self.block_size, state.num_hit_blocks)
         for b in state.blocks[start:state.num_full_blocks]:
-            if b.ref_cnt == 0 and b.block_hash is not None:
+            if self.block_pool.table_refs(b) == 0 and b.block_hash is not None:
                 self.block_pool.evict_cached_block(b)
 
     def truncate(self, request: Request, num_tokens: int) -> None:

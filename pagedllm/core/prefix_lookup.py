@@ -6,16 +6,22 @@ tag), so that group A's block is never returned for group B. A hit of L blocks i
 - a sliding-window group (window W) needs only the blocks holding keys the next token may read, from position
   L*B - W + 1 on; the blocks before are placeholders (NULL_BLOCK) in its table.
 The longest such L never covers the request's last token (the model must produce its logits).
+With a second tier (`on_disk`, core/kv_tier.py) a block missing from the pool but held by the tier counts as
+available: the lookup then says which blocks of the hit must be loaded (ON_DISK in place of a pool block).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from pagedllm.core.kv_cache_errors import InvalidComputedBlocksError
 from pagedllm.core.kv_cache_utils import block_extra_keys, hash_block_tokens, hash_request_blocks
 from pagedllm.core.request import Request
+
+# Stands, in a lookup's result, for a block the second tier holds (to be loaded into a pool block). Not a pool block.
+ON_DISK = KVBlock(-2)
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,11 @@ def first_needed_block(num_tokens: int, window: int | None, block_size: int) -> 
     return 0 if window is None else max(0, num_tokens - window + 1) // block_size
 
 
-def lookup_prefix(pool: BlockPool, request: Request, block_size: int,
-                  groups: list[GroupKey]) -> tuple[list[list[KVBlock]], int, list[bytes]]:
-    """-> (per group: its hit blocks, NULL_BLOCK where not needed; the hit length in blocks; the block hashes
-    computed on the way, for the allocation that follows). Changes no ref counts."""
+def lookup_prefix(pool: BlockPool, request: Request, block_size: int, groups: list[GroupKey],
+                  on_disk: Callable[[bytes], bool] | None = None) -> tuple[list[list[KVBlock]], int, list[bytes]]:
+    """-> (per group: its hit blocks, NULL_BLOCK where not needed, ON_DISK where on_disk(key) holds a block the
+    pool lacks; the hit length in blocks; the block hashes computed on the way, for the allocation that follows).
+    Changes no ref counts."""
     B = block_size
     tokens = request.all_token_ids
     max_blocks = max(0, (len(tokens) - 1) // B)
@@ -48,7 +55,10 @@ def lookup_prefix(pool: BlockPool, request: Request, block_size: int,
         parent = hash_block_tokens(parent, tokens[i * B:(i + 1) * B], block_extra_keys(i, request.cache_salt))
         hashes.append(parent)
         for gi, g in enumerate(groups):
-            found[gi].append(pool.get_cached_block(parent + g.tag))
+            b = pool.get_cached_block(parent + g.tag)
+            if b is None and on_disk is not None and on_disk(parent + g.tag):
+                b = ON_DISK
+            found[gi].append(b)
         if any(found[gi][i] is None for gi in full):  # no hit can reach past a full group's first miss
             break
     # run[gi][i]: cached blocks of group gi ending at block i (inclusive), back to its last miss

@@ -105,6 +105,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.kv_tier = None  # core/kv_tier.TierCoordinator when a disk tier backs the prefix cache
         self._watermark_blocks = max(1, math.ceil(config.watermark * kv_cache_manager.num_blocks))
 
     # ---- admission -------------------------------------------------------------------------------
@@ -169,6 +170,8 @@ class Scheduler:
         closest to done first."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.kv_tier is not None:  # requests whose prefix came back from disk: first in line again
+            self.waiting.extendleft(reversed(self.kv_tier.take_loaded()))
         if self.config.policy == "priority":  # the tail, where preemption takes from, is the lowest priority
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
 
@@ -221,6 +224,10 @@ class Scheduler:
                 if blocked or len(self.running) >= self.config.max_num_seqs:
                     req.prefill_skips += 1
                     continue
+                loading = self._load_from_tier(req)
+                if loading is not None:  # off the queue while its prefix loads; or no room for it yet
+                    blocked = blocked or not loading
+                    continue
                 admitted = self._admit(req, budget)
                 if admitted is None:
                     blocked = True
@@ -257,6 +264,17 @@ class Scheduler:
                     left(r) if cfg.prefill_order == "shortest" else 0, r.arrival_time)
 
         return sorted(prompts, key=key)
+
+    def _load_from_tier(self, req: Request) -> bool | None:
+        """The disk tier's answer for a waiting request (core/kv_tier.py): None, admit it as usual; True, a load of
+        more of its prefix started (it leaves the queue until loaded); False, the pool cannot take that load now."""
+        if self.kv_tier is None:
+            return None
+        _, num_cached = self.kv.get_computed_blocks(req)
+        loading = self.kv_tier.maybe_load(req, num_cached, self._watermark_blocks if self.running else 0)
+        if loading:
+            self.waiting.remove(req)
+        return loading
 
     def _admit(self, req: Request, budget: int) -> tuple[int, list[tuple[int, int]]] | None:
         """A waiting request's first chunk (after its cached prefix), or None if its blocks do not fit now."""
@@ -374,9 +392,13 @@ class Scheduler:
     # ---- ending ----------------------------------------------------------------------------------
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """Stop requests (stop, length or abort): their blocks are freed at once."""
+        requests = list(requests)
         finished = {id(r) for r in requests}
         if not finished:
             return
+        if self.kv_tier is not None:
+            for req in self.kv_tier.cancel(requests):
+                req.status = status
         for req in list(self.running) + list(self.waiting):
             if id(req) in finished:
                 if req.status == RequestStatus.RUNNING:

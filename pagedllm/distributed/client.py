@@ -284,11 +284,13 @@ class DataParallelEngine:
             raise ReplicaDiedError(f"engine replica {replica} died ({type(e).__name__})") from None
         return {**snap, "replica": replica, "replicas": len(self.replicas)}
 
-    async def reset_prefix_cache(self) -> bool:
-        """Every healthy replica forgets its cached prefixes; False if one of them holds blocks of a request (the
-        others are reset anyway: a reset loses no request). The router's prefix table is dropped with them."""
+    async def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Every healthy replica forgets its cached prefixes (reset_external: and its disk tier's); False if one of
+        them holds blocks of a request (the others are reset anyway: a reset loses no request). The router's prefix
+        table is dropped with them."""
         healthy = [r for r in self.replicas if r.healthy]
-        done = await asyncio.gather(*(r.actor.reset_prefix_cache.remote() for r in healthy), return_exceptions=True)
+        done = await asyncio.gather(*(r.actor.reset_prefix_cache.remote(reset_external) for r in healthy),
+                                    return_exceptions=True)
         for r, result in zip(healthy, done, strict=True):
             if isinstance(result, RayError):
                 r.mark_down(result)

@@ -72,8 +72,8 @@ class EngineReplica:
     async def kv_snapshot(self) -> dict[str, Any]:
         return await self.engine.kv_snapshot()
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine.reset_prefix_cache()
+    async def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        return await self.engine.reset_prefix_cache(reset_external)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -14,13 +14,13 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
 
-def parse_bytes(value: str | int) -> int:
+def parse_bytes(value: str | int, name: str = "kv_cache_memory") -> int:
     """'2GiB' -> 2147483648; plain integers are bytes."""
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory must look like '2GiB' or '512MiB', got {value!r}")
+        raise ValueError(f"{name} must look like '2GiB' or '512MiB', got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -74,6 +74,10 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_step_ms: float | str = "auto"
     prefill_order: str = "shortest"
+    # the prefix cache's second tier: cached KV blocks spill to files here and come back on a hit, across restarts
+    # and processes (engine/disk_tier.py); None = off. Size: bytes on disk (LRU), e.g. "20GiB"; default 16 GiB
+    kv_disk_cache_dir: str | None = None
+    kv_disk_cache_size: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -86,6 +90,8 @@ class EngineArgs:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         parse_bytes(self.kv_cache_memory)
+        if self.kv_disk_cache_size is not None and parse_bytes(self.kv_disk_cache_size, "kv_disk_cache_size") < 1:
+            raise ValueError(f"kv_disk_cache_size must be >= 1 byte, got {self.kv_disk_cache_size!r}")
         if self.quantization not in ("auto", "none", "int8"):
             raise ValueError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
@@ -161,6 +167,13 @@ class EngineArgs:
         g.add_argument("--generation-config", default=d.generation_config,
                        help="default sampling parameters: 'auto' = the model's generation_config.json / GGUF "
                             "sampling keys, 'vllm' = none, or a directory with a generation_config.json")
+        g.add_argument("--kv-disk-cache-dir", default=None, metavar="DIR",
+                       help="a second tier for the prefix cache: KV blocks the RAM cache evicts are written here "
+                            "and read back on a prefix hit, also after a restart and by other processes (off by "
+                            "default)")
+        g.add_argument("--kv-disk-cache-size", default=None, metavar="BYTES",
+                       help="most bytes the disk tier keeps (least recently used go first), e.g. 20GiB "
+                            "(default 16GiB)")
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

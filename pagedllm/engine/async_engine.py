@@ -187,9 +187,10 @@ class AsyncEngine:
             raise ValueError(f"replica must be 0 (this server runs one engine), got {replica}")
         return await self.call(kv_snapshot)
 
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix block; False (nothing changed) while requests hold blocks."""
-        return await self.call(lambda e: e.kv.reset_prefix_cache())
+    async def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Forget every cached prefix block (reset_external: the disk tier's too); False (nothing changed) while
+        requests hold blocks."""
+        return await self.call(lambda e: e.reset_prefix_cache(reset_external))
 
     def cached_stats(self) -> dict:
         """The newest stats snapshot taken by the loop (no waiting; may be up to stats_interval old)."""
@@ -242,6 +243,10 @@ class AsyncEngine:
             if self.dead_error is not None:
                 err.__cause__ = self.dead_error
             self._fail_all(err)
+            try:  # in this thread, the only one that touches the engine: e.g. write the disk tier's blocks
+                getattr(self.engine, "close", lambda: None)()
+            except Exception:
+                logger.exception("closing the engine failed")
 
     def _step(self) -> bool:
         """One engine step; False when it produced no output."""

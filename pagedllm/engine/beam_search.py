@@ -52,7 +52,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
         while not all(g.done for g in groups):
             before = engine.num_steps
             engine.step()
-            if engine.num_steps == before:
+            if engine.num_steps == before and not engine.wait_for_kv_loads():  # (a prefix coming back from disk)
                 raise RuntimeError("beam search cannot make progress: KV cache too small for the beams")
     finally:
         for g in groups:

@@ -21,6 +21,7 @@ from pagedllm.core.step import RunnerOutput, SamplerOutput
 from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
+from pagedllm.engine.disk_tier import make_disk_tier
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
@@ -88,6 +89,9 @@ class LLMEngine:
                                               max_model_len=self.max_model_len)
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
+        self.disk_tier = make_disk_tier(self, args.kv_disk_cache_dir, args.kv_disk_cache_size)  # None: off
+        if self.disk_tier is not None:
+            self.scheduler.kv_tier = self.disk_tier.coordinator
         self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
         logger.info("engine ready in %.1fs: %s, %s, %d KV blocks x %d tokens = %d tokens of KV capacity (KV %s, "
                     "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
@@ -217,6 +221,10 @@ class LLMEngine:
         failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
         out = self.scheduler.schedule(self.step_budget.prompt_budget(decoding))
+        if self.disk_tier is not None:
+            self.disk_tier.before_execute()  # before the model writes into blocks the pool just evicted
+            if out.is_empty:
+                self.disk_tier.after_step(idle=True)  # a request may be waiting for its blocks from disk
         if out.is_empty:
             return failed_grammars
         self.num_steps += 1
@@ -234,6 +242,8 @@ class LLMEngine:
         self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._draft_room)
+        if self.disk_tier is not None:
+            self.disk_tier.after_step()
         return failed_grammars + [state.output() for state in failed] + processed.outputs
 
     def _draft_room(self, request: Request) -> int:
@@ -288,7 +298,33 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests waiting to run, those reading their prefix from the disk tier included."""
+        loading = self.disk_tier.coordinator.num_loading if self.disk_tier is not None else 0
+        return len(self.scheduler.waiting) + loading
+
+    def wait_for_kv_loads(self) -> bool:
+        """Wait for a disk-tier load (beam search, when nothing else can run); False if none is in flight or
+        done and waiting to go back to the queue."""
+        if self.disk_tier is None or not self.disk_tier.coordinator.num_loading:
+            return False
+        if self.disk_tier.coordinator.loads:  # (else they are done: the next schedule() takes them)
+            self.disk_tier.before_execute()  # starts the loads the last schedule() began
+            self.disk_tier.after_step(idle=True)
+        return True
+
+    def close(self) -> None:
+        """Shutdown: write the cached KV blocks the disk tier lacks, so that a restart finds them."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Forget every cached block (False, nothing changed, while requests hold blocks); reset_external: also
+        delete the disk tier's entries."""
+        if not self.kv.reset_prefix_cache():
+            return False
+        if reset_external and self.disk_tier is not None:
+            self.disk_tier.clear()
+        return True
 
     def reset_stats(self) -> None:
         """Start new measurements: the peak of used blocks (from the blocks in use now) and the mean slot
@@ -319,6 +355,8 @@ class LLMEngine:
         spec = self.output_processor.spec_stats
         stats["spec_decode_num_draft_tokens"] = spec.num_draft_tokens
         stats["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens
+        if self.disk_tier is not None:
+            stats.update(self.disk_tier.stats())
         return stats
 
 

@@ -104,9 +104,10 @@ def add_extra_routes(app: FastAPI, tokens: OpenAIServingTokens) -> None:
         return {"version": VERSION}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, bool]:
-        """Forget every cached prefix block; refused (409) while requests hold blocks."""
-        if not await engine.reset_prefix_cache():
+    async def reset_prefix_cache(reset_external: bool = False) -> dict[str, bool]:
+        """Forget every cached prefix block; refused (409) while requests hold blocks. ?reset_external=true (vLLM's
+        name) also deletes the disk tier's entries (--kv-disk-cache-dir)."""
+        if not await engine.reset_prefix_cache(reset_external):
             raise OpenAIError(409, "cannot reset the prefix cache while requests hold KV blocks",
                               code="engine_busy")
         return {"reset": True}
