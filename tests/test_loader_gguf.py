@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from pagedllm.attention import build_attention_metadata  # noqa: E402
 from pagedllm.kernels import kernel_mode  # noqa: E402
 from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model  # noqa: E402
-from pagedllm.model.gguf_loader import CorruptGGUFError  # noqa: E402
+from pagedllm.model.errors import InvalidModelError  # noqa: E402
 
 H, FFN, V, LAYERS = 256, 512, 256, 2  # rows of 256: K-quants need it
 # heads per arch; qwen3 keeps head_dim 128 because transformers' GGUF path ignores qwen3.attention.key_length
@@ -194,7 +194,7 @@ def test_missing_file(tmp_path):
 def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"PK\x03\x04 definitely not gguf" * 10)
-    with pytest.raises(CorruptGGUFError, match="not a GGUF"):
+    with pytest.raises(InvalidModelError, match="not a GGUF"):
         load_model(str(p), load_tokenizer=False)
 
 
@@ -205,7 +205,7 @@ def test_truncated_gguf(tmp_path):
     for cut in (100, len(data) // 2):  # inside the metadata; inside the tensor data
         t = tmp_path / f"cut{cut}.gguf"
         t.write_bytes(data[:cut])
-        with pytest.raises(CorruptGGUFError, match="truncated|corrupt"):
+        with pytest.raises(InvalidModelError, match="truncated|corrupt"):
             load_model(str(t), load_tokenizer=False)
 
 

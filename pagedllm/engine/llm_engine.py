@@ -41,7 +41,8 @@ class LLMEngine:
         self.model_path = resolve_model_path(args.model)
         loaded = load_model(self.model_path, dtype, quantization=args.quantization)
         self.args = args
-        self.generation_defaults = generation_defaults(self.model_path, args.generation_config)
+        self.generation_defaults = generation_defaults(self.model_path, args.generation_config,
+                                                       loaded.sampling_defaults)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
