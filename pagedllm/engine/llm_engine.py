@@ -223,15 +223,38 @@ class LLMEngine:
         return logits
 
     def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[RequestState]]:
-        """Run the step; if it fails, rerun its requests in halves (K/V writes are idempotent: same tokens,
-        same slots) until each failing request runs alone, so only the requests that fail by themselves fail.
-        Returns the logits of the surviving sampling rows and the failed requests (aborted, blocks freed)."""
+        """Run the step. If it fails, rerun its requests in halves (K/V writes are idempotent: same tokens, same
+        slots) until each failing request runs alone, so only the requests that fail by themselves fail. A request
+        whose logits are not finite (NaN or infinity: overflowing weights or activations) fails too, rather than
+        sampling token 0. Returns the logits of the surviving sampling rows and the failed requests (aborted,
+        blocks freed)."""
         try:
-            return self._run(out.scheduled, out.block_copies), []
+            logits = self._run(out.scheduled, out.block_copies)
         except Exception:
             logger.exception("model step of %d requests failed; retrying them in smaller groups", len(out.scheduled))
+            logits = None
+        else:
+            if bool(torch.isfinite(logits.sum(-1)).all()):  # one reduction: any NaN or inf makes its row's sum so
+                return logits, []
         rows: dict[int, torch.Tensor] = {}  # id(entry) -> its logits rows
         failed: dict[str, str] = {}
+
+        def fail(entry: ScheduledRequest, error: str) -> None:
+            found = self.output_processor.sample_of(entry.request)
+            if found is not None:
+                failed[found[0].request_id] = error
+
+        def split(group: list[ScheduledRequest], logits: torch.Tensor) -> None:
+            offset = 0
+            for s in group:
+                part = logits[offset:offset + s.num_logits]
+                offset += s.num_logits
+                if part.numel() and not bool(torch.isfinite(part.sum(-1)).all()):
+                    logger.error("request %s: its logits are not finite", s.request.request_id)
+                    fail(s, "model step failed: the model's logits for this request are not finite (NaN or "
+                            "infinity): its weights or activations overflowed")
+                else:
+                    rows[id(s)] = part
 
         def run(group: list[ScheduledRequest]) -> None:
             try:
@@ -242,16 +265,14 @@ class LLMEngine:
                     run(group[len(group) // 2:])
                     return
                 logger.exception("request %s fails the model step alone", group[0].request.request_id)
-                found = self.output_processor.sample_of(group[0].request)
-                if found is not None:
-                    failed[found[0].request_id] = f"model step failed: {type(e).__name__}: {e}"
+                fail(group[0], f"model step failed: {type(e).__name__}: {e}")
                 return
-            offset = 0
-            for s in group:
-                rows[id(s)] = logits[offset:offset + s.num_logits]
-                offset += s.num_logits
+            split(group, logits)
 
-        run(out.scheduled)
+        if logits is None:
+            run(out.scheduled)
+        else:
+            split(out.scheduled, logits)
         # Before update_after_step: a failed request's entries are skipped from now on.
         states = [self.output_processor.abort(rid, error) for rid, error in failed.items()]
         kept = [rows[id(s)] for s in out.scheduled if s.samples and id(s) in rows and s.request.status ==

@@ -168,7 +168,7 @@ def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
     """A model's tokenizer: a Hugging Face directory's tokenizer.json as it is. A GGUF file's vocabulary (or a
     directory with only a SentencePiece model) is converted by transformers once, in seconds, and the result is
     kept on disk keyed by the source's path, size and mtime, so later loads read it in ~0.25 s. `gguf`: the
-    file already parsed and validated (model/gguf_reader.py), which a GGUF source requires."""
+    file already parsed and validated (model/gguf_reader.py), if the caller has it."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return Tokenizer(path)
     target = os.path.join(cache_dir(), "tokenizers", _source_key(path))
@@ -213,7 +213,9 @@ def _convert_with_transformers(path: str, gguf: Any) -> Any:
     from pagedllm.model.errors import InvalidModelError
 
     if gguf is None:
-        raise ValueError("load_tokenizer: a GGUF source must come parsed (model.gguf_reader.read_gguf)")
+        from pagedllm.model.gguf_reader import read_gguf
+
+        gguf = read_gguf(path)
     # The tokenizer class AutoTokenizer would pick for the architecture, called directly (AutoTokenizer parses the
     # whole file only to learn it), on a vocabulary-only copy of the file: transformers' reader sees only the
     # entries our reader validated, and not the tensors.
