@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from functools import cached_property
 
 import torch
 
@@ -18,8 +19,10 @@ from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SamplingPlan, SpecDecodeStats
+from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.prompt_logprobs import collect_prompt_logprobs, no_cache_salt
 from pagedllm.engine.speculative import make_speculator
+from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
@@ -85,11 +88,23 @@ class LLMEngine:
         return cls(args)
 
     # ---- requests in ---------------------------------------------------------------------------
+    @cached_property
+    def chars_per_token(self) -> int:
+        """The most characters one token spells: bounds a text's length before it is tokenized."""
+        return max_token_chars(self.tokenizer)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if self.tokenizer is not None:  # (without one, encode below says so)
+                check_text_length(prompt, self.max_model_len, self.chars_per_token)
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            except BaseException as e:  # a panic in the Rust tokenizer fails this request, not the process
+                if isinstance(e, Exception) or not is_request_fault(e):
+                    raise
+                raise as_exception(e, "tokenizing the prompt") from e
             bos = self.tokenizer.bos_token_id
             if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
                 ids = ids[1:]  # a chat template already put a BOS in the text
@@ -101,7 +116,8 @@ class LLMEngine:
         return ids
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
-        """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs."""
+        """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools.
+        Rendered in the template sandbox (a time, memory and output limit; engine/template_sandbox.py)."""
         return render_chat_template(self.tokenizer, messages, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,

@@ -17,6 +17,7 @@ from typing import Any
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.faults import is_request_fault
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import SamplerOutput, SamplingRow
@@ -216,7 +217,9 @@ class OutputProcessor:
                 continue
             try:
                 self._advance(state, sample, drafts, sampled, rows)
-            except Exception as e:
+            except BaseException as e:  # (native panics included: the detokenizer is Rust)
+                if not is_request_fault(e):
+                    raise
                 logger.exception("request %s failed", state.request_id)
                 state.error = f"{type(e).__name__}: {e}"
         outputs = []
