@@ -144,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    from pagedllm.model.errors import InvalidModelError
+
+    try:
+        return args.func(args)
+    except InvalidModelError as e:  # a damaged or hostile model file: one line naming file and field
+        print(f"pagedllm: error: cannot load the model: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

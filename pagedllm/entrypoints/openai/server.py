@@ -268,8 +268,13 @@ def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> Any:
+    from pagedllm.model.errors import InvalidModelError
+
     parser = add_serve_args(argparse.ArgumentParser(prog="pagedllm serve"))
-    serve_main(parser.parse_args(argv))
+    try:
+        serve_main(parser.parse_args(argv))
+    except InvalidModelError as e:  # one line naming file and field, not a traceback
+        raise SystemExit(f"pagedllm serve: error: cannot load the model: {e}") from None
 
 
 if __name__ == "__main__":
