@@ -230,7 +230,7 @@ def load_summary(path: str) -> Reference:
 
 
 @contextlib.contextmanager
-def _peak_rss() -> Iterator[Callable[[], int]]:
+def peak_rss() -> Iterator[Callable[[], int]]:
     """Bytes the process's peak RSS rose by inside the block (Linux: /proc/self/clear_refs resets the peak;
     elsewhere the peak of Python and numpy allocations, by tracemalloc)."""
     def status(key: str) -> int:
@@ -271,7 +271,7 @@ def check_variant(path: str, ref: Reference, cpu_limit: float = 2.0, memory_limi
     from pagedllm.model.errors import InvalidModelError
 
     t0 = time.thread_time()
-    with _peak_rss() as peak:
+    with peak_rss() as peak:
         try:
             got = load_summary(path)
         except InvalidModelError as e:

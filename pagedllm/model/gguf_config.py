@@ -63,7 +63,10 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError("attention logit softcapping is not supported", path=f.path,
                                     field=f"{arch}.attn_logit_softcapping")
     _check_layers(f, num_layers)
-    _check_shapes(f, vocab=vocab, hidden=hidden, q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn)
+    dims = {f"{arch}.embedding_length": hidden, f"{arch}.attention.head_count": heads,
+            f"{arch}.attention.head_count_kv": kv_heads, f"{arch}.attention.key_length": head_dim,
+            f"{arch}.feed_forward_length": ffn, "vocabulary": vocab}
+    _check_shapes(f, dims, vocab=vocab, hidden=hidden, q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn)
     pattern = spec.sliding_window_pattern
     eos = [check_token_id(m[k], vocab, k, fail) for k in ("tokenizer.ggml.eos_token_id",
                                                          "tokenizer.ggml.eot_token_id") if k in m]
@@ -165,8 +168,9 @@ def _check_layers(f: GGUFFile, num_layers: int) -> None:
                                  f"({len(found)} in all; unexpected {extra}, missing {missing})")
 
 
-def _check_shapes(f: GGUFFile, *, vocab: int, hidden: int, q: int, kv: int, ffn: int) -> None:
-    """The tensors that size the model have the shapes the metadata implies (torch order: rows first)."""
+def _check_shapes(f: GGUFFile, dims: dict[str, int], *, vocab: int, hidden: int, q: int, kv: int, ffn: int) -> None:
+    """The tensors that size the model have the shapes the metadata (`dims`, named as the file names them)
+    implies (torch order: rows first)."""
     want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
             "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
             "attn_output.weight": (hidden, q), "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden),
@@ -174,8 +178,9 @@ def _check_shapes(f: GGUFFile, *, vocab: int, hidden: int, q: int, kv: int, ffn:
     for name, t in f.tensors.items():
         shape = want.get(name.split(".", 2)[2] if _LAYER.match(name) else name)
         if shape is not None and tuple(t.shape) != shape:
-            raise f.field_error(f"tensor {name!r}", f"shape {tuple(t.shape)} does not match the metadata, which "
-                                                   f"implies {shape}")
+            said = ", ".join(f"{k}={v}" for k, v in dims.items())
+            raise f.field_error(f"tensor {name!r}", f"shape {tuple(t.shape)} does not match the {shape} the "
+                                                   f"metadata implies ({said})")
 
 
 def _rope_scaling(f: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None:

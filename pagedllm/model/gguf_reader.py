@@ -31,7 +31,7 @@ _BOOL, _STRING, _ARRAY = 7, 8, 9
 
 MAX_KV = 1 << 16  # metadata entries (real files: ~40)
 MAX_TENSORS = 1 << 16  # tensor infos (real files: hundreds to a few thousand)
-MAX_ARRAY_LEN = 1 << 24  # elements in one metadata array (the largest vocabularies and merge lists: < 2^20)
+MAX_ARRAY_LEN = 1 << 28  # elements in one metadata array (and never more than the bytes left can hold)
 MAX_STRING = 1 << 24  # bytes in one string (chat templates: tens of KB)
 MAX_KEY = 1024  # bytes in a metadata key or tensor name
 MAX_NESTING = 2  # an array of arrays of values, no deeper
@@ -116,10 +116,20 @@ class GGUFFile:
             self._mmap.madvise(advice, start, end - start)
 
     def write_vocabulary_copy(self, out: str) -> None:
-        """A GGUF file holding only this file's general.architecture, `{arch}.*` and `tokenizer.*` entries, byte
-        for byte, and no tensors: what a tokenizer converter needs, all of it validated here."""
-        arch = self.architecture
-        keys = [k for k in self.kv_spans if k == "general.architecture" or k.startswith((f"{arch}.", "tokenizer."))]
+        """A GGUF file holding only this file's general.architecture, its `{arch}.*` values and its `tokenizer.*`
+        entries (arrays no longer than the vocabulary or the merges), byte for byte, and no tensors: what a
+        tokenizer converter needs, all of it validated here, and nothing a converter would choke on."""
+        arch, m = self.architecture, self.metadata
+        longest = max(len(m.get("tokenizer.ggml.tokens", ())), len(m.get("tokenizer.ggml.merges", ())))
+
+        def wanted(key: str) -> bool:
+            value = m[key]
+            if key.startswith("tokenizer."):
+                return not isinstance(value, list | np.ndarray | StringArray) or len(value) <= longest
+            return key == "general.architecture" or key.startswith(f"{arch}.") and not isinstance(
+                value, list | np.ndarray | StringArray)
+
+        keys = [k for k in self.kv_spans if wanted(k)]
         with open(out, "wb") as fh:
             fh.write(b"GGUF" + struct.pack("<IQQ", self.version, 0, len(keys)))
             for k in keys:
