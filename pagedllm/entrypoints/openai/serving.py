@@ -157,6 +157,7 @@ class OpenAIServing:
         self.served_model_name = self.served_model_names[0]
         self.default_chat_template: str | None = None  # --chat-template; a request's own wins, if trusted
         self.trust_request_chat_template = False  # --trust-request-chat-template
+        self._warned_fields: set[str] = set()
 
     def request_chat_template(self, template: str | None) -> str | None:
         """The template a request renders with: its own only when the server trusts request templates (a
@@ -166,7 +167,6 @@ class OpenAIServing:
                                    "not started with --trust-request-chat-template; refused the untrusted template",
                               param="chat_template", code="invalid_value")
         return template or self.default_chat_template
-        self._warned_fields: set[str] = set()
 
     def warn_unknown_fields(self, req: BaseModel) -> None:
         """Unknown fields are ignored; each name is logged once per server, not on every request."""
