@@ -17,7 +17,7 @@ DEFAULT_PROMPTS = [
     "List three prime numbers greater than 10.",
 ]
 BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving",
-              "router_sim", "soak", "spec", "realistic", "make-model", "structured"]
+              "router_sim", "soak", "spec", "realistic", "make-model", "structured", "fuzz"]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

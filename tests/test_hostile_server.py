@@ -38,15 +38,16 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def servers(engine):
-    untrusted = build_app(engine, api_key=None, owns_engine=False)
-    trusted = build_app(engine, api_key=None, owns_engine=False, trust_request_chat_template=True)
+    untrusted = build_app(engine, api_key=None, owns_engine=False, served_model_name="tiny")
+    trusted = build_app(engine, api_key=None, owns_engine=False, served_model_name="tiny",
+                        trust_request_chat_template=True)
     with LiveServer(untrusted) as a, LiveServer(trusted) as b:
         yield a, b
     assert_idle_no_leak(engine)
 
 
 def _chat(server, **extra) -> httpx.Response:
-    return server.post("/v1/chat/completions", {"model": "x", "messages": MESSAGES, "max_tokens": 2, **extra},
+    return server.post("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **extra},
                        key=None)
 
 
@@ -116,7 +117,8 @@ def test_sigterm_while_a_template_runs_away(model_dir, tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", str(model_dir), "--port", str(port),
-                             "--dtype", "float32", "--num-kv-blocks", "64", "--trust-request-chat-template"],
+                             "--dtype", "float32", "--num-kv-blocks", "64", "--trust-request-chat-template",
+                             "--served-model-name", "tiny"],
                             env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"), stdout=log,
                             stderr=subprocess.STDOUT)
     try:
@@ -127,7 +129,7 @@ def test_sigterm_while_a_template_runs_away(model_dir, tmp_path):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        body = {"model": "x", "messages": MESSAGES, "max_tokens": 2, "chat_template": RUNAWAY}
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "chat_template": RUNAWAY}
         t = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=body, timeout=120))
         t.start()
         server = psutil.Process(proc.pid)
