@@ -72,6 +72,14 @@ Q = "blk.0.attn_q.weight"
 K = "blk.0.attn_k.weight"
 
 
+def test_type_table_matches_the_gguf_package():
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from pagedllm.model.gguf_reader import GGML_TYPE_SIZES
+
+    assert {t: (t.name, *size) for t, size in GGML_QUANT_SIZES.items()} == GGML_TYPE_SIZES
+
+
 def test_unaligned_offset(tmp_path, original):
     data, _ = original
     _expect_invalid(tmp_path, original, _set(data, [("offset", Q, _offset(data, Q) + 4)]), Q, "alignment")
@@ -216,3 +224,18 @@ def test_cli_prints_one_line(tmp_path, original):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert str(bad) in lines[0] and "llama.block_count" in lines[0]
+
+
+@pytest.mark.parametrize("key,value", [("num_hidden_layers", 1 << 40), ("hidden_size", "64"),
+                                       ("rms_norm_eps", float("nan")), ("rope_theta", -1.0),
+                                       ("num_attention_heads", 0), ("vocab_size", None)])
+def test_hf_config_checked_the_same_way(tmp_path, key, value):
+    """config.json gets the same ranges (an HF directory is downloaded from strangers too)."""
+    import json
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+           "max_position_embeddings": 128, key: value}
+    (tmp_path / "config.json").write_text(json.dumps(cfg, allow_nan=True))
+    with pytest.raises(InvalidModelError, match=f"config.json: {key}"):
+        load_model(str(tmp_path), load_tokenizer=False)

@@ -29,21 +29,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
+def servers(model_dir):
+    """One engine behind two apps: the default (request templates refused) and one that trusts them."""
     engine = tiny_async_engine(model_dir)
     engine.start()
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def servers(engine):
-    untrusted = build_app(engine, api_key=None, owns_engine=False, served_model_name="tiny")
-    trusted = build_app(engine, api_key=None, owns_engine=False, served_model_name="tiny",
-                        trust_request_chat_template=True)
-    with LiveServer(untrusted) as a, LiveServer(trusted) as b:
-        yield a, b
-    assert_idle_no_leak(engine)
+    apps = [build_app(engine, api_key=None, owns_engine=False, served_model_name="tiny",
+                      trust_request_chat_template=trust) for trust in (False, True)]
+    try:
+        with LiveServer(apps[0]) as untrusted, LiveServer(apps[1]) as trusted:
+            yield untrusted, trusted
+        assert_idle_no_leak(engine)
+    finally:
+        engine.shutdown()
 
 
 def _chat(server, **extra) -> httpx.Response:

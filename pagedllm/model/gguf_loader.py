@@ -12,15 +12,11 @@ import torch
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.errors import UnsupportedModelError
-from pagedllm.model.gguf_reader import GGUFFile, GGUFTensorInfo
+from pagedllm.model.gguf_reader import GGML_TYPE_SIZES, GGUFFile, GGUFTensorInfo
 
 # ggml type id -> (name, elements per block, bytes per block) for the types pagedllm dequantises
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
-    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-}
+GGML_TYPES: dict[int, tuple[str, int, int]] = {t: GGML_TYPE_SIZES[t] for t in (0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12,
+                                                                               13, 14)}
 
 
 def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
@@ -40,12 +36,8 @@ def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
 
 
 def type_name(ggml_type: int) -> str:
-    try:
-        from gguf import GGMLQuantizationType
-
-        return f"{GGMLQuantizationType(ggml_type).name} ({ggml_type})"
-    except (ImportError, ValueError):
-        return str(ggml_type)
+    known = GGML_TYPE_SIZES.get(ggml_type)
+    return f"{known[0]} ({ggml_type})" if known else str(ggml_type)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
