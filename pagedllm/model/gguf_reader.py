@@ -67,14 +67,18 @@ class GGUFTensorInfo:
 class StringArray:
     """A metadata array of strings, decoded on access (a vocabulary: ~100k strings we rarely need)."""
 
-    def __init__(self, buf: memoryview, first: int, ends: array.array, where: tuple[str, str]) -> None:
-        # string i is the bytes after the 8-byte length at ends[i - 1] (at `first` for i = 0), up to ends[i]
-        self._buf, self._first, self._ends, self._where = buf, first, ends, where
+    def __init__(self, buf: memoryview, first: int, count: int, where: tuple[str, str]) -> None:
+        # string i is the bytes after the 8-byte length at ends[i - 1] (at `first` for i = 0), up to ends[i];
+        # the ends are found on first access (the parse only walked them: a load never reads a string)
+        self._buf, self._first, self._count, self._where = buf, first, count, where
+        self._ends: array.array | None = None
 
     def __len__(self) -> int:
-        return len(self._ends)
+        return self._count
 
     def __getitem__(self, i: int) -> str:
+        if self._ends is None:
+            self._ends = _string_ends(self._buf, self._first, self._count)
         start, end = (self._ends[i - 1] if i else self._first) + 8, self._ends[i]
         try:
             return bytes(self._buf[start:end]).decode("utf-8")
@@ -238,21 +242,34 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
     raise cur.fail(key, f"unknown metadata value type {vtype}")
 
 
-def _string_array(cur: _Cursor, key: str) -> StringArray:
-    n = cur.count(key, MAX_ARRAY_LEN, 8)
+def _string_ends(buf: memoryview, pos: int, n: int, keep: bool = True) -> array.array:
+    """Walk n length-prefixed strings from pos: where each ends (only the last, unless keep). Each length decides
+    where the next string starts; a length prefix past the end raises struct.error or OverflowError."""
     ends = array.array("q")
-    buf, first, size = cur.buf, cur.pos, cur.size
-    unpack, append, pos = struct.Struct("<Q").unpack_from, ends.append, first
-    try:
-        for _ in range(n):  # each length decides where the next string starts: a walk (bounds checked below)
+    unpack = struct.Struct("<Q").unpack_from
+    if keep:
+        append = ends.append
+        for _ in range(n):
             pos += 8 + unpack(buf, pos)[0]
             append(pos)
-    except (struct.error, OverflowError):  # a length prefix past the end of the file
-        pos = size + 1
-    if pos > size:  # the ends only grow, so the last one bounds them all
+        return ends
+    for _ in range(n):
+        pos += 8 + unpack(buf, pos)[0]
+    ends.append(pos)
+    return ends
+
+
+def _string_array(cur: _Cursor, key: str) -> StringArray:
+    n = cur.count(key, MAX_ARRAY_LEN, 8)
+    try:
+        end = _string_ends(cur.buf, cur.pos, n, keep=False)[0] if n else cur.pos
+    except (struct.error, OverflowError):
+        end = cur.size + 1
+    if end > cur.size:  # the ends only grow, so the last one bounds them all
         raise cur.fail(key, f"truncated or corrupt: its {n} strings run past the end of the file")
-    cur.pos = pos
-    return StringArray(buf, first, ends, (cur.path, key))
+    strings = StringArray(cur.buf, cur.pos, n, (cur.path, key))
+    cur.pos = end
+    return strings
 
 
 def _read_metadata(cur: _Cursor, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
