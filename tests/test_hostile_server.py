@@ -119,13 +119,14 @@ def test_sigterm_while_a_template_runs_away(model_dir, tmp_path):
                             env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"), stdout=log,
                             stderr=subprocess.STDOUT)
     try:
-        while True:  # up (a hang guard only: the checks below do not depend on timing)
-            assert proc.poll() is None, open(tmp_path / "server.log").read()
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        with httpx.Client(timeout=5) as client:
+            while True:  # until it is up (pytest-timeout guards a server that never comes up)
+                assert proc.poll() is None, open(tmp_path / "server.log").read()
+                try:
+                    if client.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
         body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "chat_template": RUNAWAY}
         t = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=body, timeout=120))
         t.start()
