@@ -263,7 +263,9 @@ class OutputProcessor:
         """Append row r's token to the sample; True when the sample is finished."""
         token = sampled.token_ids[r]
         req = sample.request
-        if sample.matcher is not None and not sample.matcher.accept(token):
+        # a grammar complete from the start (a schema that only refers to itself) allows nothing but a stop
+        # token, which its stopped matcher no longer accepts: the sample ends below
+        if sample.matcher is not None and not sample.matcher.is_terminated() and not sample.matcher.accept(token):
             raise RuntimeError(f"structured outputs: the grammar rejected token {token} (an empty mask?)")
         req.append_output_token(token)
         if sample.logprobs is not None:
