@@ -17,7 +17,8 @@ DEFAULT_PROMPTS = [
     "List three prime numbers greater than 10.",
 ]
 BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving",
-              "router_sim", "soak", "spec", "realistic", "make-model", "structured", "membw", "quant", "kv-store"]
+              "router_sim", "soak", "spec", "realistic", "make-model", "structured", "membw", "quant", "kv-store",
+              "fuzz"]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -144,7 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    from pagedllm.model.errors import InvalidModelError
+
+    try:
+        return args.func(args)
+    except InvalidModelError as e:  # a damaged or hostile model file: one line naming file and field
+        print(f"pagedllm: error: cannot load the model: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

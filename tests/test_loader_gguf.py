@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from pagedllm.attention import build_attention_metadata
 from pagedllm.kernels import kernel_mode
 from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model
-from pagedllm.model.gguf_loader import CorruptGGUFError
+from pagedllm.model.errors import InvalidModelError
 
 H, FFN, V, LAYERS = 256, 512, 256, 2  # rows of 256: K-quants need it
 # heads per arch; qwen3 keeps head_dim 128 because transformers' GGUF path ignores qwen3.attention.key_length
@@ -189,7 +189,7 @@ def test_missing_file(tmp_path):
 def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"PK\x03\x04 definitely not gguf" * 10)
-    with pytest.raises(CorruptGGUFError, match="not a GGUF"):
+    with pytest.raises(InvalidModelError, match="not a GGUF"):
         load_model(str(p), load_tokenizer=False)
 
 
@@ -200,7 +200,7 @@ def test_truncated_gguf(tmp_path):
     for cut in (100, len(data) // 2):  # inside the metadata; inside the tensor data
         t = tmp_path / f"cut{cut}.gguf"
         t.write_bytes(data[:cut])
-        with pytest.raises(CorruptGGUFError, match="truncated|corrupt"):
+        with pytest.raises(InvalidModelError, match="truncated|corrupt"):
             load_model(str(t), load_tokenizer=False)
 
 

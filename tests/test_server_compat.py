@@ -37,7 +37,7 @@ def llm(tmp_path_factory):
 def server(llm):
     engine = AsyncEngine(llm.engine, log_stats_interval=0.2, log_requests=True)
     app = build_app(engine, api_key=[KEY, "sk-second"], served_model_name=["tiny", "tiny-alias"],
-                    allowed_origins=["http://example.test"])
+                    allowed_origins=["http://example.test"], trust_request_chat_template=True)
     with LiveServer(app) as live:
         live.engine = engine
         yield live

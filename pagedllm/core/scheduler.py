@@ -363,7 +363,9 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int) -> bool:
         """Append one token; True (and the sequence finished, its blocks freed) when it ends the sequence."""
-        if req.grammar is not None and not req.grammar.accept(token):
+        # (a grammar complete from the start, a schema that only refers to itself, allows nothing but a stop token,
+        # which its stopped matcher no longer accepts: the sequence ends below)
+        if req.grammar is not None and not req.grammar.is_terminated() and not req.grammar.accept(token):
             req.error = f"structured outputs: the grammar rejected token {token} (an empty mask?)"
             self.finish_requests([req], RequestStatus.FINISHED_ABORTED)
             return True

@@ -45,6 +45,7 @@ class RunnerOutput:
 
     sampled: SamplerOutput = field(default_factory=SamplerOutput)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # by request id
+    nonfinite: list[int] = field(default_factory=list)  # scheduled entries whose logits hold a NaN or infinity
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, Tracked
+from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.metrics import EngineMetrics, StatsLogger
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -252,7 +253,9 @@ class AsyncEngine:
         """One engine step; False when it produced no output."""
         try:
             outputs = self.engine.step()
-        except Exception as e:
+        except BaseException as e:
+            if not is_request_fault(e):
+                raise
             # We cannot tell which request broke the step: fail those in flight, keep the engine serving.
             logger.exception("engine step failed; aborting %d in-flight requests", len(self._tracked))
             self._fail_all(RequestFailedError(f"engine step failed: {type(e).__name__}: {e}"))
@@ -312,8 +315,10 @@ class AsyncEngine:
             tokenized = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
             self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival, priority=priority,
                                     **tokenized)
-        except Exception as e:
-            stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, e)
+        except BaseException as e:  # native panics included: they fail this request, not the engine loop
+            if not is_request_fault(e):
+                raise
+            stream.loop.call_soon_threadsafe(_set_exception, stream.accepted, as_exception(e, "adding the request"))
             return
         if self.log_requests:
             state = self.engine.requests.get(rid)

@@ -1,5 +1,8 @@
 """Chat templates, rendered in jinja2's ImmutableSandboxedEnvironment: a template (the model's, or one a server
-operator passed with --chat-template) cannot reach Python internals or mutate its inputs.
+operator passed with --chat-template) cannot reach Python internals or mutate its inputs. The engine and the server
+render in a separate process with a time, memory and output limit (template_sandbox.py), so that a runaway
+template fails its own request and nothing else; `**` and `*` are checked before they compute (and so are never
+folded at compile time), so the usual blow-ups fail at once with a clear message.
 
 The environment is the one transformers renders chat templates in (trim_blocks, lstrip_blocks, loop controls, the
 `{% generation %}` tag, `raise_exception`, `strftime_now`, an unescaped `tojson`, underscore-free namespaces), so a
@@ -10,6 +13,7 @@ without importing transformers (~1.5 s of every load).
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -23,6 +27,35 @@ _RESERVED = {"messages", "tokenize", "chat_template", "add_generation_prompt", "
              "return_dict", "tools", "documents"}
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks where a continued final message ends in the rendered text
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is the one templates read
+MAX_OUTPUT_CHARS = 1 << 24  # a rendered prompt longer than this is refused (prompts are checked again later)
+_MAX_POWER_BITS = 4096  # the largest integer ** may produce
+
+
+class TemplateLimitError(ValueError):
+    """A chat template ran past a limit: time, memory, output size, or the size of a value it computes."""
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with `**` and `*` checked before they run: jinja would otherwise fold `10 ** (10 ** 10)` at
+    compile time, in one C call that holds the GIL for hours; `'x' * 10 ** 9` builds a gigabyte."""
+
+    intercepted_binops = frozenset({"**", "*"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and _is_int(left) and _is_int(right) and right > 0 and abs(left) > 1 \
+                and right * math.log2(abs(left)) > _MAX_POWER_BITS:
+            raise TemplateLimitError(f"chat template computes {left} ** {right}, an integer of more than "
+                                     f"{_MAX_POWER_BITS} bits")
+        if operator == "*":
+            seq, n = (left, right) if _is_int(right) else (right, left)
+            if isinstance(seq, str | list | tuple) and _is_int(n) and len(seq) * n > MAX_OUTPUT_CHARS:
+                raise TemplateLimitError(f"chat template repeats a {type(seq).__name__} of length {len(seq)} {n} times, "
+                                         f"past the limit of {MAX_OUTPUT_CHARS}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class _GenerationTag(Extension):
@@ -79,8 +112,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        dict=_DictBuilder(), namespace=_Namespace)
@@ -127,9 +159,10 @@ def _tag_final_message(messages: list[dict]) -> str:
 def apply_template(tokenizer: Any, conversation: list[dict], *, chat_template: str | None = None,
                    tools: list[dict] | None = None, documents: list[dict] | None = None,
                    add_generation_prompt: bool = False, continue_final_message: bool = False,
-                   **kwargs: Any) -> str:
-    """The text of one conversation under `chat_template` (default: the tokenizer's). The template also sees the
-    tokenizer's named special tokens (bos_token, ...) and any extra kwargs."""
+                   max_chars: int = MAX_OUTPUT_CHARS, **kwargs: Any) -> str:
+    """The text of one conversation under `chat_template` (default: the tokenizer's), in this process. The
+    template also sees the tokenizer's named special tokens (bos_token, ...) and any extra kwargs; its output
+    stops with TemplateLimitError past max_chars characters."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template")
@@ -138,8 +171,14 @@ def apply_template(tokenizer: Any, conversation: list[dict], *, chat_template: s
         raise TypeError("chat messages must be dicts")
     final = _tag_final_message(messages) if continue_final_message else None
     variables = {**getattr(tokenizer, "special_tokens_map", {}), **_plain(kwargs)}
-    text = _compile(template).render(messages=messages, tools=_plain(tools), documents=_plain(documents),
-                                     add_generation_prompt=add_generation_prompt, **variables)
+    chunks, size = [], 0
+    for chunk in _compile(template).generate(messages=messages, tools=_plain(tools), documents=_plain(documents),
+                                             add_generation_prompt=add_generation_prompt, **variables):
+        size += len(chunk)
+        if size > max_chars:
+            raise TemplateLimitError(f"the chat template's output passed the limit of {max_chars} characters")
+        chunks.append(chunk)
+    text = "".join(chunks)
     if final is not None:  # the text ends where the final message does, with nothing the template appends
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:
@@ -152,8 +191,12 @@ def apply_template(tokenizer: Any, conversation: list[dict], *, chat_template: s
 def render_chat_template(tokenizer: Any, messages: list[dict], *, chat_template: str | None = None,
                          add_generation_prompt: bool = True, continue_final_message: bool = False,
                          chat_template_kwargs: dict[str, Any] | None = None,
-                         tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text of a conversation. Raises ValueError naming what is wrong."""
+                         tools: list[dict[str, Any]] | None = None, sandbox: Any = None) -> str:
+    """The prompt text of a conversation, rendered in the template sandbox's worker processes (`sandbox`: a
+    template_sandbox.TemplateSandbox; default: the process's shared one). Raises ValueError naming what is wrong
+    (TemplateLimitError when the template ran past a time, memory or size limit)."""
+    from pagedllm.engine.template_sandbox import shared_sandbox
+
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("messages: the model has no chat template (pass one with --chat-template)")
@@ -165,11 +208,7 @@ def render_chat_template(tokenizer: Any, messages: list[dict], *, chat_template:
     clash = sorted(_RESERVED & extra.keys())
     if clash:
         raise ValueError(f"chat_template_kwargs: may not set {clash}")
-    try:
-        return apply_template(tokenizer, messages, chat_template=template, add_generation_prompt=add_generation_prompt,
-                              continue_final_message=continue_final_message, tools=tools, **extra)
-    except SecurityError as e:
-        raise ValueError(f"messages: the chat template was refused by the sandbox (it reached for Python "
-                         f"internals): {e}") from e
-    except TemplateError as e:
-        raise ValueError(f"messages: chat template failed: {e}") from e
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "tools": _plain(tools), **_plain(extra)}
+    return (sandbox or shared_sandbox()).render(template, _plain(list(messages)),
+                                                dict(getattr(tokenizer, "special_tokens_map", {})), options)

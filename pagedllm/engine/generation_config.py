@@ -19,8 +19,10 @@ _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": 
               "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
-    """SamplingParams keyword defaults the model recommends ({} when it has none, or mode == "vllm")."""
+def generation_defaults(model_path: str, mode: str = "auto", gguf_defaults: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+    """SamplingParams keyword defaults the model recommends ({} when it has none, or mode == "vllm").
+    gguf_defaults: what the loader already read from the model's GGUF file (gguf_sampling_defaults)."""
     if mode == "vllm":
         return {}
     source = model_path if mode == "auto" else mode
@@ -36,7 +38,11 @@ def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
             cfg = {"temperature": 0.0, **{k: v for k, v in cfg.items() if k == "max_new_tokens"}}
         found = {field: cfg[key] for key, field in _HF_KEYS.items() if cfg.get(key) is not None}
     elif os.path.isfile(source):
-        found = _gguf_defaults(source)
+        if gguf_defaults is None:
+            from pagedllm.model.gguf_reader import read_gguf
+
+            gguf_defaults = gguf_sampling_defaults(read_gguf(source))
+        found = gguf_defaults
     else:
         return {}
     if found:
@@ -44,10 +50,17 @@ def generation_defaults(model_path: str, mode: str = "auto") -> dict[str, Any]:
     return found
 
 
-def _gguf_defaults(path: str) -> dict[str, Any]:
-    # our own reader: gguf's GGUFReader parses every field, seconds on a tokenizer's vocabulary
-    from pagedllm.model.gguf_loader import read_gguf
+def gguf_sampling_defaults(f: Any) -> dict[str, Any]:
+    """The `general.sampling.*` values of a parsed GGUF file (model/gguf_reader.GGUFFile), each a finite
+    non-negative number (InvalidModelError naming the key otherwise)."""
+    import math
 
-    metadata = read_gguf(path).metadata
-    return {field: int(metadata[key]) if field == "top_k" else float(metadata[key])
-            for key, field in _GGUF_KEYS.items() if key in metadata}
+    found = {}
+    for key, field in _GGUF_KEYS.items():
+        if key not in f.metadata:
+            continue
+        value = f.metadata[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise f.field_error(key, f"{value!r} is not a finite non-negative number")
+        found[field] = int(value) if field == "top_k" else float(value)
+    return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from functools import cached_property
 
 import numpy as np
 
@@ -25,8 +26,10 @@ from pagedllm.engine.disk_tier import make_disk_tier
 from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
+from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.engine.step_budget import StepBudget
+from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
@@ -53,7 +56,8 @@ class LLMEngine:
         self.model_path = resolve_model_path(args.model)
         loaded = load_model(self.model_path, dtype, quantization=args.quantization)
         self.args = args
-        self.generation_defaults = generation_defaults(self.model_path, args.generation_config)
+        self.generation_defaults = generation_defaults(self.model_path, args.generation_config,
+                                                       loaded.sampling_defaults)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -103,11 +107,23 @@ class LLMEngine:
         return cls(args)
 
     # ---- requests in ---------------------------------------------------------------------------
+    @cached_property
+    def chars_per_token(self) -> int:
+        """The most characters one token spells: bounds a text's length before it is tokenized."""
+        return max_token_chars(self.tokenizer)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if self.tokenizer is not None:  # (without one, encode below says so)
+                check_text_length(prompt, self.max_model_len, self.chars_per_token)
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            except BaseException as e:  # a panic in the Rust tokenizer fails this request, not the process
+                if isinstance(e, Exception) or not is_request_fault(e):
+                    raise
+                raise as_exception(e, "tokenizing the prompt") from e
             bos = self.tokenizer.bos_token_id
             if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
                 ids = ids[1:]  # a chat template already put a BOS in the text
@@ -119,7 +135,8 @@ class LLMEngine:
         return ids
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
-        """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs."""
+        """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools.
+        Rendered in the template sandbox (a time, memory and output limit; engine/template_sandbox.py)."""
         return render_chat_template(self.tokenizer, messages, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -257,16 +274,32 @@ class LLMEngine:
         return self.runner.execute(scheduled, block_copies, self._token_bitmask(scheduled))
 
     def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[RunnerOutput, list[RequestState]]:
-        """Run the step; if it fails, rerun its requests in halves (K/V writes are idempotent: same tokens,
-        same slots) until each failing request runs alone, so only the requests that fail by themselves fail.
-        Returns the step's rows (a failed entry's rows are placeholders: its sequences are aborted, so the
-        scheduler skips them) and the failed requests (aborted, blocks freed)."""
+        """Run the step. If it fails, rerun its requests in halves (K/V writes are idempotent: same tokens, same
+        slots) until each failing request runs alone, so only the requests that fail by themselves fail. A request
+        whose logits are not finite (NaN or infinity: overflowing weights or activations) fails too, rather than
+        sampling token 0. Returns the step's rows (a failed entry's rows are placeholders: its sequences are
+        aborted, so the scheduler skips them) and the failed requests (aborted, blocks freed)."""
+        failed: dict[str, str] = {}
+
+        def fail(entry: ScheduledRequest, error: str) -> None:
+            found = self.output_processor.sample_of(entry.request)
+            if found is not None:
+                failed[found[0].request_id] = error
+
+        def check_finite(group: list[ScheduledRequest], result: RunnerOutput) -> None:
+            for i in result.nonfinite:
+                logger.error("request %s: its logits are not finite", group[i].request.request_id)
+                fail(group[i], "model step failed: the model's logits for this request are not finite (NaN or "
+                               "infinity): its weights or activations overflowed")
+
         try:
-            return self._execute(out.scheduled, out.block_copies), []
+            result = self._execute(out.scheduled, out.block_copies)
         except Exception:
             logger.exception("model step of %d requests failed; retrying them in smaller groups", len(out.scheduled))
+        else:
+            check_finite(out.scheduled, result)
+            return result, [st for st in (self._abort(rid, err) for rid, err in failed.items()) if st is not None]
         done: dict[int, tuple[RunnerOutput, int]] = {}  # id(entry) -> the output of its group, its first row
-        failed: dict[str, str] = {}
 
         def run(group: list[ScheduledRequest]) -> None:
             try:
@@ -277,10 +310,9 @@ class LLMEngine:
                     run(group[len(group) // 2:])
                     return
                 logger.exception("request %s fails the model step alone", group[0].request.request_id)
-                found = self.output_processor.sample_of(group[0].request)
-                if found is not None:
-                    failed[found[0].request_id] = f"model step failed: {type(e).__name__}: {e}"
+                fail(group[0], f"model step failed: {type(e).__name__}: {e}")
                 return
+            check_finite(group, result)
             row = 0
             for s in group:
                 done[id(s)] = (result, row)

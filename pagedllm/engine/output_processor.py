@@ -22,6 +22,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import PromptLogprobs, RunnerOutput, SamplerOutput, SequenceUpdate
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.faults import is_request_fault
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -193,7 +194,9 @@ class OutputProcessor:
             try:
                 if self._advance(state, sample, u, runner_out.sampled):
                     done.stopped.append(u.request)
-            except Exception as e:
+            except BaseException as e:  # (native panics included: the detokenizer is Rust)
+                if not is_request_fault(e):
+                    raise
                 logger.exception("request %s failed", state.request_id)
                 state.error = f"{type(e).__name__}: {e}"
         now = time.monotonic()

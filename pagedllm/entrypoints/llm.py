@@ -124,9 +124,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat. Templates render with a time, memory and output limit (engine/template_sandbox.py);
+        the rendered prompt's length is checked before it is tokenized."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [self.engine.apply_chat_template(c) for c in conversations]
+        options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
+                   "tools": tools}
+        prompts: list[Prompt] = [self.engine.apply_chat_template(c, **options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):

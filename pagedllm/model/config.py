@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.model import registry
+from pagedllm.model.config_checks import checked_float, checked_int
+from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.registry import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors")  # freq_factors: GGUF rope_freqs
@@ -99,6 +101,7 @@ def _eos_list(value: Any) -> list[int]:
 def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
     spec = registry.spec_for_hf(cfg.get("architectures") or [], cfg.get("model_type"))
+    _check_hf_numbers(cfg)
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     # transformers 5 puts theta and scaling in rope_parameters (per layer type for Gemma 3); 4.x uses rope_theta +
@@ -150,6 +153,28 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     )
     spec.check_features(config.features())
     return config
+
+
+# config.json key -> config_checks field, for the numbers that size the model
+_HF_INTS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+            "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+            "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+            "sliding_window": "sliding_window"}
+
+
+def _check_hf_numbers(cfg: dict[str, Any]) -> None:
+    """The numbers config.json gives, in sane ranges before anything is sized by them (InvalidModelError)."""
+    def fail(name: str, detail: str) -> InvalidModelError:
+        return InvalidModelError(detail, field=name)
+
+    for key, field_name in _HF_INTS.items():
+        if cfg.get(key) is not None:
+            checked_int(cfg[key], field_name, key, fail)
+        elif key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+            raise fail(key, "missing")
+    for key, field_name in (("rms_norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta")):
+        if cfg.get(key) is not None:
+            checked_float(cfg[key], field_name, key, fail)
 
 
 def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.model.config import ModelConfig, config_from_hf
+from pagedllm.model.errors import InvalidModelError
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,12 @@ def read_hf_config(model_dir: str) -> tuple[ModelConfig, dict]:
     raw = _read_json(cfg_path)
     gen_path = os.path.join(model_dir, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
-    return config_from_hf(raw, gen), raw
+    try:
+        return config_from_hf(raw, gen), raw
+    except InvalidModelError as e:
+        raise e.with_path(cfg_path) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field of the wrong kind
+        raise InvalidModelError(f"unreadable config: {type(e).__name__}: {e}", path=cfg_path) from e
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -20,6 +20,8 @@ from pagedllm.dtypes import resolve_dtype
 from pagedllm.model import registry
 from pagedllm.model import tokenizer as tokenization
 from pagedllm.model.config import ModelConfig, check_token_ids
+from pagedllm.model.errors import InvalidModelError
+from pagedllm.model.gguf_reader import open_regular_file
 from pagedllm.model.weight_loading import load_weights
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     dtype: torch.dtype = torch.float32
     path: str = ""
+    sampling_defaults: dict[str, Any] | None = None  # a GGUF file's general.sampling.* (read in the one parse)
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """ValueError if any id is outside the model's vocabulary."""
@@ -82,19 +85,23 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
             path = ggufs[0]
         elif ggufs:
             raise ValueError(f"{path} holds several .gguf files; pass one of them: {[os.path.basename(g) for g in ggufs]}")
-    if os.path.isdir(path):
-        loaded = _load_hf(path, dtype, attention_backend, load_tokenizer, quantization)
-    elif path.endswith(".gguf") or _has_gguf_magic(path):
-        loaded = _load_gguf(path, dtype, attention_backend, load_tokenizer, quantization)
-    else:
-        raise ValueError(f"{path} is neither a directory nor a .gguf file")
+    try:
+        if os.path.isdir(path):
+            loaded = _load_hf(path, dtype, attention_backend, load_tokenizer, quantization)
+        elif path.endswith(".gguf") or _has_gguf_magic(path):
+            loaded = _load_gguf(path, dtype, attention_backend, load_tokenizer, quantization)
+        else:
+            raise ValueError(f"{path} is neither a directory nor a .gguf file")
+    except InvalidModelError as e:
+        e.with_path(path)  # config parsing raises before it knows the file
+        raise
     logger.info("loaded %s (%s, %s) in %.2f s", loaded.name, loaded.config.architecture,
                 str(loaded.dtype).replace("torch.", ""), time.perf_counter() - t0)
     return loaded
 
 
 def _has_gguf_magic(path: str) -> bool:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular_file(path), "rb") as f:  # (a FIFO would block a plain open)
         return f.read(4) == b"GGUF"
 
 
@@ -111,12 +118,18 @@ def _single_threaded() -> Iterator[None]:
 
 
 def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention_backend: str,
-           linear_method=None) -> nn.Module:
-    """The registry's model class for cfg, with the checkpoint's weights put in through `table`."""
+           linear_method=None, source: str = "") -> nn.Module:
+    """The registry's model class for cfg, with the checkpoint's weights put in through `table` (a weight the
+    model has no place for, of the wrong shape, or missing is an InvalidModelError naming `source`)."""
     kw = {} if linear_method is None else {"linear_method": linear_method}
     model = registry.spec(cfg.architecture).model_cls()(cfg, dtype, attention_backend, **kw)
     with torch.no_grad(), _single_threaded():
-        load_weights(model, weights, table, cfg.num_layers)
+        try:
+            load_weights(model, weights, table, cfg.num_layers)
+        except InvalidModelError:
+            raise
+        except ValueError as e:
+            raise InvalidModelError(str(e), path=source) from e
     return model.eval()
 
 
@@ -139,7 +152,7 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
     tdtype = resolve_dtype(dtype)
     table = registry.spec(cfg.architecture).hf_names
     method = _quantized_method(quantize_floats=True) if quantization == "int8" else None
-    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend, method)
+    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend, method, path)
     tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)
@@ -147,18 +160,27 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
 
 def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool,
                quantization: str) -> LoadedModel:
+    """The file is parsed once: config, weights, tokenizer and sampling defaults all come from that parse. The
+    model owns every weight when this returns (the mapping is not read again)."""
+    from pagedllm.engine.generation_config import gguf_sampling_defaults
     from pagedllm.model import gguf_loader
+    from pagedllm.model.gguf_config import config_from_gguf
+    from pagedllm.model.gguf_reader import read_gguf
 
-    f = gguf_loader.read_gguf(path)
-    cfg = gguf_loader.config_from_gguf(f)
-    tdtype = resolve_dtype(dtype)
-    table = registry.spec(cfg.architecture).gguf_names
-    method = _quantized_method(quantize_floats=False) if quantization != "none" else None
-    weights = gguf_loader.iter_gguf_weights(f, cfg, as_stored=method is not None)
-    model = _build(cfg, tdtype, weights, table, attention_backend, method)
-    tok = tokenization.load_tokenizer(path) if load_tokenizer else None
+    f = read_gguf(path)
+    try:
+        cfg = config_from_gguf(f)
+        sampling = gguf_sampling_defaults(f)
+        tdtype = resolve_dtype(dtype)
+        table = registry.spec(cfg.architecture).gguf_names
+        method = _quantized_method(quantize_floats=False) if quantization != "none" else None
+        weights = gguf_loader.iter_gguf_weights(f, cfg, as_stored=method is not None)
+        model = _build(cfg, tdtype, weights, table, attention_backend, method, path)
+        tok = tokenization.load_tokenizer(path, f) if load_tokenizer else None
+    finally:
+        f.close()
     _fill_eos_from_tokenizer(cfg, tok)
-    return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path)
+    return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path, sampling)
 
 
 def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:

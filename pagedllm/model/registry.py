@@ -10,6 +10,7 @@ import importlib
 from dataclasses import dataclass
 
 from pagedllm.model import weight_names
+from pagedllm.model.errors import UnsupportedModelError  # noqa: F401  (raised here; its historical home)
 
 # Features a checkpoint may use (ModelConfig.features() lists the ones it does use).
 QKV_BIAS, O_BIAS, QK_NORM = "qkv_bias", "o_bias", "qk_norm"
@@ -18,10 +19,6 @@ SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddin
 # What decoder_layer.cpp computes: a pre-norm Llama layer with these optional parts. A model runs its layers
 # fused only when its spec says its layer is that layer and its config uses nothing outside this set.
 FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING})
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is valid but uses an architecture or feature pagedllm does not implement."""
 
 
 @dataclass(frozen=True)

@@ -164,10 +164,11 @@ def _clean_up_tokenization(text: str) -> str:
 
 
 # ---- loading -----------------------------------------------------------------------------------------------------
-def load_tokenizer(path: str) -> Tokenizer:
+def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
     """A model's tokenizer: a Hugging Face directory's tokenizer.json as it is. A GGUF file's vocabulary (or a
     directory with only a SentencePiece model) is converted by transformers once, in seconds, and the result is
-    kept on disk keyed by the source's path, size and mtime, so later loads read it in ~0.25 s."""
+    kept on disk keyed by the source's path, size and mtime, so later loads read it in ~0.25 s. `gguf`: the
+    file already parsed and validated (model/gguf_reader.py), if the caller has it."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return Tokenizer(path)
     target = os.path.join(cache_dir(), "tokenizers", _source_key(path))
@@ -178,7 +179,7 @@ def load_tokenizer(path: str) -> Tokenizer:
             logger.warning("tokenizer cache %s unreadable (%s); rebuilding", target, e)
             shutil.rmtree(target, ignore_errors=True)
     t0 = time.perf_counter()
-    converted = _convert_with_transformers(path)
+    converted = _convert_with_transformers(path, gguf)
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
@@ -203,18 +204,32 @@ def _source_key(path: str) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
-def _convert_with_transformers(path: str) -> Any:
+def _convert_with_transformers(path: str, gguf: Any) -> Any:
     from transformers import AutoTokenizer
 
     if os.path.isdir(path):
         return AutoTokenizer.from_pretrained(path)
-    # A GGUF file: the tokenizer class AutoTokenizer would pick for the architecture, called directly. AutoTokenizer
-    # first parses the whole file with the `gguf` package only to learn the architecture (~5 s for a 1B model).
+    from pagedllm.faults import is_request_fault
+    from pagedllm.model.errors import InvalidModelError
+
+    if gguf is None:
+        from pagedllm.model.gguf_reader import read_gguf
+
+        gguf = read_gguf(path)
+    # The tokenizer class AutoTokenizer would pick for the architecture, called directly (AutoTokenizer parses the
+    # whole file only to learn it), on a vocabulary-only copy of the file: transformers' reader sees only the
+    # entries our reader validated, and not the tensors.
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
-    from pagedllm.model.gguf_loader import read_gguf
-
-    arch = read_gguf(path).architecture
+    arch = gguf.architecture
     model_type = "gemma3_text" if arch == "gemma3" else arch  # transformers' name for a text-only Gemma 3
     cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
-    return cls.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    with tempfile.TemporaryDirectory(prefix="pagedllm-vocab-") as tmp:
+        gguf.write_vocabulary_copy(os.path.join(tmp, "vocab.gguf"))
+        try:
+            return cls.from_pretrained(tmp, gguf_file="vocab.gguf")
+        except BaseException as e:
+            if not is_request_fault(e):
+                raise
+            raise InvalidModelError(f"transformers could not build the tokenizer: {type(e).__name__}: {e}",
+                                    path=path, field="tokenizer.ggml.*") from e

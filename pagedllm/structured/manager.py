@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.faults import is_request_fault
 from pagedllm.structured.backend import DEFAULT_BACKEND, Backend, Matcher, bitmask_words, make_backend
-from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.params import GrammarError, StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 
@@ -43,13 +44,21 @@ class StructuredOutputManager:
         with self._cache_lock:  # the server's event loop validates through here too
             fut = self._cache.get(key)
             if fut is None:
-                fut = self._pool.submit(lambda: self.backend.compile(params))
+                fut = self._pool.submit(self._compile, params)
                 self._cache[key] = fut
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
             return fut
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        try:
+            return self.backend.compile(params)
+        except BaseException as e:  # a panic in the native compiler fails this constraint, not its caller
+            if isinstance(e, Exception) or not is_request_fault(e):
+                raise
+            raise GrammarError(params.field_name, f"the grammar compiler failed: {type(e).__name__}: {e}") from e
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """Blocking compile (through the same thread and cache); raises GrammarError."""

@@ -45,6 +45,9 @@ class StructuredOutputsParams:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as e:
                 raise GrammarError(self.field_name, f"the JSON schema is not valid JSON: {e}") from None
+            if self.json is None or self.json is False:  # "null" / "false": no schema any output could match
+                raise GrammarError(self.source.get("json", "structured_outputs.json"),
+                                   "the JSON schema must be an object or true")
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise GrammarError(self.field_name, "the JSON schema must be an object")
 

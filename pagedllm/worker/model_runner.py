@@ -40,6 +40,22 @@ def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow],
     return rows, logit_rows
 
 
+def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[int]:
+    """The entries whose logits rows hold a NaN or an infinity (one reduction per row: any makes the row's sum so):
+    the engine fails those requests instead of sampling from them."""
+    if not logits.numel():
+        return []
+    finite = torch.isfinite(logits.sum(-1))
+    if bool(finite.all()):
+        return []
+    bad, row = [], 0
+    for i, s in enumerate(scheduled):
+        if s.num_logits and not bool(finite[row:row + s.num_logits].all()):
+            bad.append(i)
+        row += s.num_logits
+    return bad
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True,
@@ -69,7 +85,8 @@ class ModelRunner:
         (sampling_rows); also the prompt logprobs of the prompt tokens computed this step, where asked for."""
         with forward_context(self.kernel_mode):
             logits, hidden = self.forward(scheduled, block_copies)
-            out = RunnerOutput(prompt_logprobs=prompt_logprobs(self.model, hidden, scheduled))
+            out = RunnerOutput(prompt_logprobs=prompt_logprobs(self.model, hidden, scheduled),
+                               nonfinite=nonfinite_entries(scheduled, logits))
             rows, logit_rows = sampling_rows(scheduled)
             if rows:
                 identity = logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedllm.entrypoints.openai.validation import check_prompt_tokens, check_text_length, max_token_chars
+from pagedllm.engine.prompt_limits import max_token_chars
+from pagedllm.entrypoints.openai.validation import check_prompt_tokens, check_text_length
+from pagedllm.faults import as_exception, is_request_fault
 
 T = TypeVar("T")
 
@@ -27,11 +29,12 @@ class PromptPreprocessor:
         accepts_ids = "prompt_token_ids" in inspect.signature(engine.add_request).parameters
         self._tokenize = getattr(getattr(engine, "engine", None), "tokenize", None) if accepts_ids else None
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the pool (a native panic in it becomes an Exception)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, _guarded, fn, *args)
 
     async def render_chat(self, messages: list[dict], **template_options: Any) -> str:
-        return await self._run(functools.partial(self.engine.apply_chat_template, messages, **template_options))
+        return await self.run(functools.partial(self.engine.apply_chat_template, messages, **template_options))
 
     async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> dict[str, Any]:
         """The prompt's token ids as add_request keywords; a 400 as soon as its length shows it cannot fit in
@@ -40,7 +43,7 @@ class PromptPreprocessor:
             check_text_length(prompt, self.max_model_len, self.chars_per_token, param)
             if self._tokenize is None:
                 return {}
-            ids = await self._run(self._tokenize, prompt)
+            ids = await self.run(self._tokenize, prompt)
         else:
             ids = prompt  # the engine checks them against the vocabulary
         check_prompt_tokens(len(ids), self.max_model_len, param)
@@ -48,3 +51,13 @@ class PromptPreprocessor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _guarded(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), a native panic (a BaseException) turned into an Exception the request's handler reports."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        if isinstance(e, Exception) or not is_request_fault(e):
+            raise
+        raise as_exception(e, "preparing the prompt") from e

@@ -266,8 +266,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def template_options(self, default_template: str | None = None) -> dict[str, Any]:
-        return {"chat_template": self.chat_template or default_template,
+    def template_options(self, template: str | None = None) -> dict[str, Any]:
+        """Rendering options; `template`: the one to render with (the request's own only if trusted)."""
+        return {"chat_template": template,
                 "chat_template_kwargs": self.chat_template_kwargs,
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}

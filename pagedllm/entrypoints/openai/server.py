@@ -61,13 +61,15 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None = None,
               served_model_name: str | list[str] | None = None, owns_engine: bool | None = None, *,
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
+              trust_request_chat_template: bool = False,
               docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               request_body_timeout: float = DEFAULT_BODY_TIMEOUT, **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
     engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
     another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
     unless owns_engine=True. served_model_name: the ids clients may use (the first is reported).
-    chat_template: template text used when a request names none. allowed_origins: CORS."""
+    chat_template: template text used when a request names none; a request's own `chat_template` is refused unless
+    trust_request_chat_template. allowed_origins: CORS."""
     if owns_engine is None:
         owns_engine = isinstance(engine, EngineArgs)
     async_engine = (AsyncEngine.from_engine_args(engine, **engine_options) if isinstance(engine, EngineArgs)
@@ -80,7 +82,9 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     completion = OpenAIServingCompletion(async_engine, names, preprocess=preprocess, gate=gate)
     chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
     tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)
-    chat.default_chat_template = tokens.default_chat_template = chat_template
+    for serving in (chat, tokens):
+        serving.default_chat_template = chat_template
+        serving.trust_request_chat_template = trust_request_chat_template
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -174,6 +178,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="CORS origins allowed to call the API (JSON list or space-separated; '*' for any)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (or the template text) instead of the model's")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests carry their own chat_template (a program the server renders; refused "
+                             "by default, as vLLM)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt length, parameters and finish reasons")
     parser.add_argument("--log-prompts", action="store_true",
@@ -228,6 +235,7 @@ def serve_main(args: argparse.Namespace) -> None:
         engine = DataParallelEngine(engine, dp)
     app = build_app(engine, api_key=api_keys or None, served_model_name=args.served_model_name, owns_engine=True,
                     allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
+                    trust_request_chat_template=args.trust_request_chat_template,
                     log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                     log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
                     max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout)
@@ -260,8 +268,13 @@ def uvicorn_limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> Any:
+    from pagedllm.model.errors import InvalidModelError
+
     parser = add_serve_args(argparse.ArgumentParser(prog="pagedllm serve"))
-    serve_main(parser.parse_args(argv))
+    try:
+        serve_main(parser.parse_args(argv))
+    except InvalidModelError as e:  # one line naming file and field, not a traceback
+        raise SystemExit(f"pagedllm serve: error: cannot load the model: {e}") from None
 
 
 if __name__ == "__main__":

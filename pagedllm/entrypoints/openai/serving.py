@@ -155,8 +155,18 @@ class OpenAIServing:
         names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         self.served_model_names = names or [engine.model_name]
         self.served_model_name = self.served_model_names[0]
-        self.default_chat_template: str | None = None  # --chat-template; a request's own wins
+        self.default_chat_template: str | None = None  # --chat-template; a request's own wins, if trusted
+        self.trust_request_chat_template = False  # --trust-request-chat-template
         self._warned_fields: set[str] = set()
+
+    def request_chat_template(self, template: str | None) -> str | None:
+        """The template a request renders with: its own only when the server trusts request templates (a
+        template is a program the server runs), else a 400; without one, --chat-template or the model's."""
+        if template is not None and not self.trust_request_chat_template:
+            raise OpenAIError(400, "chat_template: a chat template was passed with the request, but the server was "
+                                   "not started with --trust-request-chat-template; refused the untrusted template",
+                              param="chat_template", code="invalid_value")
+        return template or self.default_chat_template
 
     def warn_unknown_fields(self, req: BaseModel) -> None:
         """Unknown fields are ignored; each name is logged once per server, not on every request."""

@@ -64,9 +64,10 @@ class OpenAIServingChat(OpenAIServing):
         return plan.structure if plan is not None and plan.structure is not None else asked
 
     async def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:
+        template = self.request_chat_template(req.chat_template)
         try:
             messages = [m.to_template_dict() for m in req.messages]
-            options = req.template_options(self.default_chat_template)
+            options = req.template_options(template)
             if req.tools and template_supports_tools(self.engine.tokenizer):
                 options["tools"] = req.tools
             return [await self.preprocess.render_chat(messages, **options)]

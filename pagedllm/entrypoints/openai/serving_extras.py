@@ -55,7 +55,7 @@ class OpenAIServingTokens(OpenAIServing):
         if req.messages is not None:
             messages = [m.to_template_dict() for m in req.messages]
             text = self.engine.apply_chat_template(
-                messages, chat_template=req.chat_template or self.default_chat_template,
+                messages, chat_template=self.request_chat_template(req.chat_template),
                 chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message)
             return tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
@@ -69,8 +69,9 @@ class OpenAIServingTokens(OpenAIServing):
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.warn_unknown_fields(req)
         self.check_model(req.model)
+        self.request_chat_template(req.chat_template)  # a 400 before any work
         try:
-            ids = await asyncio.to_thread(self._tokenize, req)
+            ids = await self.preprocess.run(self._tokenize, req)
         except ValueError as e:
             raise bad_request(e, self.request_params) from e
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pagedllm.engine import prompt_limits
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
 
@@ -55,22 +56,9 @@ def check_prompt_tokens(num_tokens: int, max_model_len: int, param: str = "promp
         raise prompt_too_long(num_tokens, max_model_len, param)
 
 
-def max_token_chars(tokenizer: Any) -> int:
-    """The most characters one token of this vocabulary spells (vocabulary and added tokens)."""
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return max(longest, 1)
-
-
-# A normalizer may shrink text before it is split (NFKC composes characters): leave a wide margin so that the
-# character bound below can never reject a prompt that would fit.
-_NORMALIZER_MARGIN = 4
-
-
 def check_text_length(text: str, max_model_len: int, chars_per_token: int, param: str = "prompt") -> None:
-    """Reject, before tokenizing, a text that has more characters than max_model_len of the vocabulary's
-    longest tokens could spell: it cannot fit, and tokenizing megabytes would only burn CPU."""
-    bound = max_model_len * chars_per_token * _NORMALIZER_MARGIN
-    if len(text) > bound:
-        raise OpenAIError(400, f"{param} has {len(text)} characters: more than the {max_model_len} tokens of "
-                               f"max_model_len={max_model_len} can hold", param=param,
-                          code="context_length_exceeded")
+    """A 400 before tokenizing for a text too long to fit (engine/prompt_limits.py has the rule)."""
+    try:
+        prompt_limits.check_text_length(text, max_model_len, chars_per_token, param)
+    except prompt_limits.PromptTooLongError as e:
+        raise OpenAIError(400, str(e), param=param, code="context_length_exceeded") from e

@@ -1,0 +1,207 @@
+"""ModelConfig from GGUF metadata, trusting nothing: every number is range-checked (config_checks.py), the
+vocabulary is checked against the embedding, and the config against the shapes of the tensors that size the
+model, all before the model allocates anything."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from pagedllm.model import registry
+from pagedllm.model.config import ModelConfig, pattern_layer_types
+from pagedllm.model.config_checks import check_head_layout, check_token_id, checked_float, checked_int
+from pagedllm.model.errors import UnsupportedModelError
+from pagedllm.model.gguf_reader import GGUFFile, StringArray
+
+_MISSING = object()
+# the tokenizer's special token ids (each must name a token of the vocabulary)
+SPECIAL_TOKEN_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in
+                           ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "cls", "mask"))
+_VOCAB_ARRAYS = ("tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+_LAYER = re.compile(r"blk\.(\d+)\.")
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    """InvalidModelError (or its UnsupportedModelError) naming the field of f.path at fault."""
+    m = f.metadata
+    arch = f.architecture
+    spec = registry.spec_for_gguf(arch)
+    fail = f.field_error
+
+    def get(key: str, default: Any = _MISSING) -> Any:
+        value = m.get(f"{arch}.{key}", default)
+        if value is _MISSING:
+            raise fail(f"{arch}.{key}", "missing from the metadata")
+        return value
+
+    def num(key: str, field: str, default: Any = _MISSING) -> int:
+        return checked_int(get(key, default), field, f"{arch}.{key}", fail)
+
+    _check_types_supported(f)
+    hidden = num("embedding_length", "hidden_size")
+    heads = num("attention.head_count", "num_heads")
+    kv_heads = _kv_heads(f, get("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv")
+    num_layers = num("block_count", "num_layers")
+    ffn = num("feed_forward_length", "intermediate_size")
+    head_dim = num("attention.key_length", "head_dim", hidden // heads or 1)
+    vocab = _vocab_size(f, get("vocab_size", None))
+    context = num("context_length", "max_position_embeddings", 2048)
+    names = {"num_heads": f"{arch}.attention.head_count", "num_kv_heads": f"{arch}.attention.head_count_kv",
+             "head_dim": f"{arch}.attention.key_length"}
+    check_head_layout(heads, kv_heads, head_dim, names, fail)
+    eps = checked_float(get("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps",
+                        f"{arch}.attention.layer_norm_rms_epsilon", fail)
+    theta = checked_float(get("rope.freq_base", 10000.0), "rope_theta", f"{arch}.rope.freq_base", fail)
+    window = get("attention.sliding_window", None)
+    window = checked_int(window, "sliding_window", f"{arch}.attention.sliding_window", fail) if window else None
+    softcap = get("final_logit_softcapping", None)
+    if softcap is not None:
+        softcap = checked_float(softcap, "final_logit_softcapping", f"{arch}.final_logit_softcapping", fail)
+    if get("attn_logit_softcapping", None):
+        raise UnsupportedModelError("attention logit softcapping is not supported", path=f.path,
+                                    field=f"{arch}.attn_logit_softcapping")
+    _check_layers(f, num_layers)
+    dims = {f"{arch}.embedding_length": hidden, f"{arch}.attention.head_count": heads,
+            f"{arch}.attention.head_count_kv": kv_heads, f"{arch}.attention.key_length": head_dim,
+            f"{arch}.feed_forward_length": ffn, "vocabulary": vocab}
+    _check_shapes(f, dims, vocab=vocab, hidden=hidden, q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn)
+    pattern = spec.sliding_window_pattern
+    eos = [check_token_id(m[k], vocab, k, fail) for k in ("tokenizer.ggml.eos_token_id",
+                                                         "tokenizer.ggml.eot_token_id") if k in m]
+    bos = m.get("tokenizer.ggml.bos_token_id")
+    config = ModelConfig(
+        architecture=spec.name,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=context,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(f, arch, head_dim),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        qkv_bias="blk.0.attn_q.bias" in f.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        sliding_window=window,
+        layer_types=pattern_layer_types(num_layers, pattern) if window and pattern else None,
+        rope_local_theta=spec.gguf_rope_local_theta,
+        final_logit_softcapping=softcap,
+        eos_token_ids=list(dict.fromkeys(eos)),
+        bos_token_id=None if bos is None else check_token_id(bos, vocab, "tokenizer.ggml.bos_token_id", fail),
+    )
+    spec.check_features(config.features())
+    return config
+
+
+def _check_types_supported(f: GGUFFile) -> None:
+    from pagedllm.model.gguf_loader import GGML_TYPES, type_name
+
+    for t in f.tensors.values():  # fail before dequantising anything
+        if t.ggml_type not in GGML_TYPES:
+            supported = ", ".join(v.name for v in GGML_TYPES.values())
+            raise UnsupportedModelError(f"uses ggml type {type_name(t.ggml_type)}, which pagedllm cannot "
+                                        f"dequantise; supported: {supported}", path=f.path,
+                                        field=f"tensor {t.name!r}")
+
+
+def _kv_heads(f: GGUFFile, value: Any, key: str) -> int:
+    """head_count_kv: one number, or one per layer (all equal here: the model has one layout)."""
+    if isinstance(value, np.ndarray):
+        if value.size == 0 or value.dtype.kind not in "iu":
+            raise f.field_error(key, "must be an integer or a non-empty integer array")
+        if int(value.min()) != int(value.max()):
+            raise UnsupportedModelError("a different number of KV heads per layer is not supported", path=f.path,
+                                        field=key)
+        value = int(value[0])
+    return checked_int(value, "num_kv_heads", key, f.field_error)
+
+
+def _vocab_size(f: GGUFFile, declared: Any) -> int:
+    """The vocabulary size, which the embedding's rows, the token list and every per-token array must agree on."""
+    m, fail = f.metadata, f.field_error
+    embd = f.tensors.get("token_embd.weight")
+    if embd is None:
+        raise fail("tensor 'token_embd.weight'", "missing")
+    if len(embd.shape) != 2:
+        raise fail("tensor 'token_embd.weight'", f"shape {embd.shape} is not a matrix")
+    rows = checked_int(embd.shape[0], "vocab_size", "tensor 'token_embd.weight' rows", fail)
+    if declared is not None:
+        key = f"{f.architecture}.vocab_size"
+        if checked_int(declared, "vocab_size", key, fail) != rows:
+            raise fail(key, f"{declared} does not match the {rows} rows of token_embd.weight")
+    tokens = m.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        if not isinstance(tokens, StringArray):
+            raise fail("tokenizer.ggml.tokens", "must be an array of strings")
+        if len(tokens) != rows:
+            raise fail("tokenizer.ggml.tokens", f"{len(tokens)} tokens do not match the {rows} rows of "
+                                                f"token_embd.weight")
+        for key in _VOCAB_ARRAYS:
+            arr = m.get(key)
+            if arr is not None and not (isinstance(arr, np.ndarray) and arr.ndim == 1 and len(arr) == rows):
+                raise fail(key, f"must be a numeric array with one entry per token ({rows})")
+        scores = m.get("tokenizer.ggml.scores")
+        if scores is not None and scores.dtype.kind == "f" and not np.isfinite(scores).all():
+            raise fail("tokenizer.ggml.scores", "holds a value that is not finite")
+    merges = m.get("tokenizer.ggml.merges")
+    if merges is not None and not isinstance(merges, StringArray):
+        raise fail("tokenizer.ggml.merges", "must be an array of strings")
+    for key in SPECIAL_TOKEN_KEYS:
+        if key in m:
+            check_token_id(m[key], rows, key, fail)
+    return rows
+
+
+def _check_layers(f: GGUFFile, num_layers: int) -> None:
+    """block_count must be the number of layers the tensors hold, numbered 0 .. block_count - 1."""
+    found = {int(match.group(1)) for name in f.tensors if (match := _LAYER.match(name))}
+    key = f"{f.architecture}.block_count"
+    if found != set(range(num_layers)):
+        extra = sorted(found - set(range(num_layers)))[:3]
+        missing = sorted(set(range(num_layers)) - found)[:3]
+        raise f.field_error(key, f"{num_layers} layers, but the tensors hold layers {sorted(found)[:3]}... "
+                                 f"({len(found)} in all; unexpected {extra}, missing {missing})")
+
+
+def _check_shapes(f: GGUFFile, dims: dict[str, int], *, vocab: int, hidden: int, q: int, kv: int, ffn: int) -> None:
+    """The tensors that size the model have the shapes the metadata (`dims`, named as the file names them)
+    implies (torch order: rows first)."""
+    want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
+            "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
+            "attn_output.weight": (hidden, q), "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden),
+            "ffn_down.weight": (hidden, ffn)}
+    for name, t in f.tensors.items():
+        shape = want.get(name.split(".", 2)[2] if _LAYER.match(name) else name)
+        if shape is not None and tuple(t.shape) != shape:
+            said = ", ".join(f"{k}={v}" for k, v in dims.items())
+            raise f.field_error(f"tensor {name!r}", f"shape {tuple(t.shape)} does not match the {shape} the "
+                                                   f"metadata implies ({said})")
+
+
+def _rope_scaling(f: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None:
+    m = f.metadata
+    kind = m.get(f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in f.tensors:  # llama3-style scaling stored as per-frequency divisors
+        from pagedllm.model.gguf_loader import dequantize
+
+        t = f.tensors["rope_freqs.weight"]
+        if t.shape != (head_dim // 2,):
+            raise f.field_error("tensor 'rope_freqs.weight'", f"shape {t.shape} is not ({head_dim // 2},)")
+        factors = dequantize(f, t).float()
+        if not (factors.isfinite().all() and (factors > 0).all()):
+            raise f.field_error("tensor 'rope_freqs.weight'", "holds a factor that is not finite and positive")
+        return {"rope_type": "freq_factors", "factors": factors.tolist()}
+    if kind == "linear":
+        key = f"{arch}.rope.scaling.factor"
+        return {"rope_type": "linear", "factor": checked_float(m.get(key), "rope_scaling.factor", key,
+                                                               f.field_error)}
+    if kind not in (None, "none"):
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported", path=f.path,
+                                    field=f"{arch}.rope.scaling.type")
+    return None
+

@@ -1,0 +1,47 @@
+"""NaN never becomes a token: a request whose logits are not finite fails alone with a clear error (its blocks
+freed), every other request in the same steps gets exactly the tokens it gets without the poisoned one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import assert_no_leaks, make_llm, make_tiny_model
+
+from pagedllm import RequestFailedError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def nan_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_nan"), "llama", seed=5)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_poisoned_requests_fail_alone(nan_dir, poison):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    bad_token = 7
+    prompts = [[rng.randrange(10, 300) for _ in range(rng.randint(3, 40))] for _ in range(12)]
+    poisoned = set(rng.sample(range(len(prompts)), 4))
+    for i in poisoned:  # the token that overflows sits anywhere in the prompt
+        prompts[i].insert(rng.randrange(len(prompts[i]) + 1), bad_token)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=rng.randint(1, 12),
+                             ignore_eos=True) for i in range(len(prompts))]
+    llm = make_llm(nan_dir, max_num_batched_tokens=64)  # chunked prefill: poison and clean share steps
+    clean = [p for i, p in enumerate(prompts) if i not in poisoned]
+    expected = llm.generate(clean, [params[i] for i in range(len(prompts)) if i not in poisoned], use_tqdm=False)
+    with torch.no_grad():
+        llm.engine.runner.model.embed[bad_token] = poison
+    with pytest.raises(RequestFailedError, match="4 of 12 requests failed") as failed:  # offline: raised, with
+        llm.generate(prompts, params, use_tqdm=False)                               # every output attached
+    outs = failed.value.outputs
+    want = iter(expected)
+    for i, out in enumerate(outs):
+        if i in poisoned:
+            assert out.error is not None and "not finite" in out.error, (seed, i, out.error)
+            assert all(len(c.token_ids) == 0 for c in out.outputs), (seed, i)  # no token came from a NaN
+        else:
+            assert out.error is None, (seed, i, out.error)
+            assert out.outputs[0].token_ids == next(want).outputs[0].token_ids, (seed, i)
+    assert_no_leaks(llm)
