@@ -26,6 +26,7 @@ from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, r
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.backend import allow_token
 from pagedllm.structured.gate import GrammarGate
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import Sampler, TokenBitmask
@@ -158,15 +159,22 @@ class LLMEngine:
     def _token_bitmask(self, plan: SamplingPlan) -> TokenBitmask | None:
         """The tokens each constrained row may take next (unconstrained rows are not in it); a sample with draft
         tokens gets one row per draft prefix, its matcher walked along the drafts and back."""
-        rows, walks, row = [], [], 0
+        rows, walks, row, extra = [], [], 0, []
         for state, sample, drafts in plan.samples:
-            if state.grammar is not None:
+            if state.grammar is not None and (sample.gate is None or sample.gate.masked):
                 if sample.matcher is None:  # each sample (n > 1) walks the grammar with its own matcher
                     sample.matcher = self.structured_outputs.matcher(state.grammar.result())
+                if sample.gate is not None and sample.gate.extra_token is not None:
+                    extra.append((len(rows), sample.gate.extra_token))  # the model may open its reasoning
                 rows.extend(range(row, row + len(drafts) + 1))
                 walks.append((sample.matcher, drafts))
             row += len(drafts) + 1
-        return TokenBitmask(rows, self.structured_outputs.bitmask(walks)) if rows else None
+        if not rows:
+            return None
+        bitmask = self.structured_outputs.bitmask(walks)
+        for mask_row, token in extra:
+            allow_token(bitmask, mask_row, token)
+        return TokenBitmask(rows, bitmask)
 
     @property
     def requests(self) -> dict[str, RequestState]:

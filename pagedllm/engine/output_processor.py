@@ -19,6 +19,7 @@ from pagedllm.core.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.reasoning_gate import GateWalk
 from pagedllm.worker.sampler import SamplerOutput, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     matcher: Any = None  # structured outputs: this sample's grammar matcher (pagedllm/structured)
+    gate: GateWalk | None = None  # structured outputs after reasoning: whether the matcher sees the tokens yet
+    gate_changed: bool = False  # the last appended token moved the gate
 
     def output(self) -> CompletionOutput:
         cumulative = self.cumulative_logprob if self.logprobs is not None else None
@@ -132,6 +135,8 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
                                        p.include_stop_str_in_output)
         sample = SampleState(req, index, detok, seed, [] if p.logprobs is not None else None)
+        gate = p.structured_outputs.after_reasoning if p.structured_outputs is not None else None
+        sample.gate = GateWalk(gate) if gate is not None else None
         state.samples.append(sample)
         self._samples[req.request_id] = (state, sample)
         return sample
@@ -247,6 +252,8 @@ class OutputProcessor:
                 break
             if j == len(drafts) or sampled.token_ids[r] != drafts[j]:
                 break
+            if sample.gate is not None and sample.gate_changed:
+                break  # the next rows were masked for the gate's old state: sample them again
             num_accepted += 1
         if drafts:
             self.spec_stats.num_drafts += 1
@@ -260,7 +267,10 @@ class OutputProcessor:
         """Append row r's token to the sample; True when the sample is finished."""
         token = sampled.token_ids[r]
         req = sample.request
-        if sample.matcher is not None and not sample.matcher.accept(token):
+        to_grammar = True
+        if sample.gate is not None:
+            to_grammar, sample.gate_changed = sample.gate.route(token)
+        if sample.matcher is not None and to_grammar and not sample.matcher.accept(token):
             raise RuntimeError(f"structured outputs: the grammar rejected token {token} (an empty mask?)")
         req.append_output_token(token)
         if sample.logprobs is not None:
@@ -278,7 +288,7 @@ class OutputProcessor:
             sample.finish_reason = "stop"
         elif (stop := sample.detokenizer.add_token(token, req.num_output_tokens >= p.min_tokens)) is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
-        elif sample.matcher is not None and sample.matcher.is_terminated():
+        elif sample.matcher is not None and to_grammar and sample.matcher.is_terminated():
             sample.finish_reason = "stop"  # the grammar is complete: nothing but a stop token could follow
         elif req.num_output_tokens >= state.max_tokens or req.num_tokens >= self.max_model_len:
             sample.finish_reason = "length"
