@@ -312,6 +312,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's reasoning (vLLM's name)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -330,6 +331,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool call deltas: {"index", "id", "type", "function"}
 
 

@@ -36,9 +36,11 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
 )
 from pagedllm.entrypoints.openai.protocols import http_protocol
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST, startup_summary
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
               served_model_name: str | list[str] | None = None, owns_engine: bool | None = None, *,
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
               docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              request_body_timeout: float = DEFAULT_BODY_TIMEOUT, **engine_options: Any) -> FastAPI:
+              request_body_timeout: float = DEFAULT_BODY_TIMEOUT, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None, **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
     engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
     another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
@@ -81,6 +84,10 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
     tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)
     chat.default_chat_template = tokens.default_chat_template = chat_template
+    chat.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    if tool_call_parser is not None:
+        make_tool_parser(tool_call_parser, {})  # an unknown name fails here, not on the first request
+    chat.tool_call_parser = tool_call_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -174,6 +181,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="CORS origins allowed to call the API (JSON list or space-separated; '*' for any)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (or the template text) instead of the model's")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="read the model's <think> reasoning out of its text: reasoning_content (chat), "
+                             "reasoning items (responses), thinking blocks (messages)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the format of tool calls in free text for tool_choice auto (default: read from the "
+                             "chat template where unambiguous, else hermes)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt length, parameters and finish reasons")
     parser.add_argument("--log-prompts", action="store_true",
@@ -230,7 +243,8 @@ def serve_main(args: argparse.Namespace) -> None:
                     allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
                     log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                     log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
-                    max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout)
+                    max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout,
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, **uvicorn_limits(args))
     Server(config, app.state.shutdown_gate).run()
