@@ -60,3 +60,12 @@ def internal_error(err: BaseException, what: str = "internal error") -> OpenAIEr
     ref = uuid.uuid4().hex[:12]
     logger.error("%s [ref %s]: %s: %s", what, ref, type(err).__name__, err, exc_info=err)
     return OpenAIError(500, f"The server had an error: {what} (reference {ref}).", code="internal_error")
+
+
+def renamed(err: OpenAIError, names: dict[str, str]) -> OpenAIError:
+    """An error of the chat request another API's request became, naming that API's own field."""
+    if err.param in names:
+        old, err.param = err.param, names[err.param]
+        if err.message.startswith(old):
+            err.message = err.param + err.message[len(old):]
+    return err

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -238,7 +239,23 @@ class ChatMessage(BaseModel):
         d = self.model_dump(exclude_none=True)
         d["role"] = "system" if self.role == "developer" else self.role
         d["content"] = content or ""
+        for call in d.get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                fn["arguments"] = arguments_object(fn.get("arguments"))
         return d
+
+
+def arguments_object(arguments: Any) -> Any:
+    """Tool-call arguments as the object chat templates render with `tojson` (transformers' convention; the
+    OpenAI wire format sends JSON text): text that is not a JSON object stays as it is."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -282,6 +299,18 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, defaults)
+
+
+def chat_request(names: dict[str, str], **fields: Any) -> ChatCompletionRequest:
+    """The chat request another API's request runs as; a field that does not validate is a ValueError naming
+    the other API's field (`names`: chat field -> its name there)."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        field = names.get(loc[0], loc[0]) if loc else "body"
+        raise ValueError(f"{field}: {'.'.join(loc[1:]) + ': ' if loc[1:] else ''}{err.get('msg')}") from None
 
 
 class ChatLogprobTop(BaseModel):

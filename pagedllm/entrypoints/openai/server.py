@@ -37,6 +37,8 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.protocols import http_protocol
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
+from pagedllm.entrypoints.openai.responses.serving import OpenAIServingResponses, add_responses_routes
+from pagedllm.entrypoints.openai.responses.store import DEFAULT_MAX_RESPONSES, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
@@ -65,7 +67,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
               docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               request_body_timeout: float = DEFAULT_BODY_TIMEOUT, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, **engine_options: Any) -> FastAPI:
+              tool_call_parser: str | None = None, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+              **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
     engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
     another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
@@ -88,6 +91,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     if tool_call_parser is not None:
         make_tool_parser(tool_call_parser, {})  # an unknown name fails here, not on the first request
     chat.tool_call_parser = tool_call_parser
+    responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -164,6 +168,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
 
+    add_responses_routes(app, responses)
     add_extra_routes(app, tokens)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
@@ -187,6 +192,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the format of tool calls in free text for tool_choice auto (default: read from the "
                              "chat template where unambiguous, else hermes)")
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_RESPONSES,
+                        help="responses kept for GET /v1/responses/{id} and previous_response_id (least recently "
+                             "used dropped first; 0: none)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt length, parameters and finish reasons")
     parser.add_argument("--log-prompts", action="store_true",
@@ -244,7 +252,8 @@ def serve_main(args: argparse.Namespace) -> None:
                     log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                     log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
                     max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout,
-                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                    max_stored_responses=args.max_stored_responses)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, **uvicorn_limits(args))
     Server(config, app.state.shutdown_gate).run()

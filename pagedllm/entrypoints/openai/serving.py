@@ -234,8 +234,10 @@ class OpenAIServing:
             raise bad_request(e, self.request_params) from e
         return call, await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params)
 
-    def event_stream(self, body: AsyncIterator[str], on_error: Callable[[BaseException], str]) -> Response:
-        return StreamingResponse(guarded(body, on_error, self.gate), media_type="text/event-stream",
+    def event_stream(self, body: AsyncIterator[str], on_error: Callable[[BaseException], str],
+                     done: str = SSE_DONE) -> Response:
+        """An SSE response; on_error renders a failure (or the shutdown deadline) as the API's error event."""
+        return StreamingResponse(guarded(body, on_error, self.gate, done), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
     async def finish(self, raw: Request, streams: list[RequestStream]) -> list[RequestOutput] | Response:
