@@ -69,3 +69,22 @@ def renamed(err: OpenAIError, names: dict[str, str]) -> OpenAIError:
         if err.message.startswith(old):
             err.message = err.param + err.message[len(old):]
     return err
+
+
+# --- Anthropic's shape, for the /v1/messages routes: {"type": "error", "error": {"type", "message"}} ---------
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(err: OpenAIError) -> str:
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": err.message}}, ensure_ascii=True)
+
+
+def error_response(path: str, err: OpenAIError) -> Response:
+    """The error in the shape of the API the path belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return Response(anthropic_error_body(err), status_code=err.status, media_type="application/json")
+    return err.response()

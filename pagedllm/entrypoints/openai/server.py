@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.errors import OpenAIError, internal_error
+from pagedllm.entrypoints.openai.anthropic.serving import AnthropicServingMessages, add_messages_routes
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, internal_error
 from pagedllm.entrypoints.openai.kv_page import add_kv_routes
 from pagedllm.entrypoints.openai.lifecycle import Server, ShutdownGate
 from pagedllm.entrypoints.openai.middleware import (
@@ -92,6 +93,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         make_tool_parser(tool_call_parser, {})  # an unknown name fails here, not on the first request
     chat.tool_call_parser = tool_call_parser
     responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
+    messages = AnthropicServingMessages(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -121,22 +123,23 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
 
+    # each API's errors in its own shape (errors.error_response picks it by path)
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(request.url.path, _validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+        return error_response(request.url.path, OpenAIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> Response:
-        return internal_error(exc, "unhandled error").response()
+    async def _internal(request: Request, exc: Exception) -> Response:
+        return error_response(request.url.path, internal_error(exc, "unhandled error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -169,6 +172,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         return await chat.create(req, raw)
 
     add_responses_routes(app, responses)
+    add_messages_routes(app, messages)
     add_extra_routes(app, tokens)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
