@@ -96,8 +96,8 @@ def test_speculative_drafts_across_the_gate_change_nothing(tiny):
     free = greedy(base, prompt, max_tokens=16).token_ids
     for k in {first_new(free, 2), first_new(free, 4)}:
         for gate in (ReasoningGate((free[k],), open=True), ReasoningGate((free[k],), start=free[0])):
-            so = lambda: StructuredOutputsParams(regex=REGEX, after_reasoning=gate)  # noqa: E731
-            a, b = greedy(base, prompt, so()), greedy(spec, prompt, so())
+            a = greedy(base, prompt, StructuredOutputsParams(regex=REGEX, after_reasoning=gate))
+            b = greedy(spec, prompt, StructuredOutputsParams(regex=REGEX, after_reasoning=gate))
             assert a.token_ids == b.token_ids, (k, gate, a.token_ids, b.token_ids)
             assert re.fullmatch(REGEX, tail_text(base, a.token_ids[k + 1:]))
     assert spec.engine.spec_decode_stats()["num_draft_tokens"] > 0
