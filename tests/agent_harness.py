@@ -129,3 +129,33 @@ def last_turn(prompt: str) -> str:
     """The text of the prompt's last user turn (a tool response included)."""
     turns = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, re.DOTALL)
     return turns[-1] if turns else ""
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"}},
+                  "required": ["city"], "additionalProperties": False}
+REASONED_CALL = ("<think>\nThe user wants the weather: call the tool.\n</think>\n\nLet me look that up.\n"
+                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+PARALLEL_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                  '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+LONG_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + "Paris " * 40 + '"}}\n</tool_call>'
+
+
+def tool_response(turn: str) -> str | None:
+    m = re.search(r"<tool_response>\n(.*?)\n</tool_response>", turn, re.DOTALL)
+    return m.group(1) if m else None
+
+
+def weather_script(prompt: str) -> str | ModelText | None:
+    """What a tool-using reasoning model would write, by the last user turn; None: the model's own tokens."""
+    turn = last_turn(prompt)
+    result = tool_response(turn)
+    if result is not None:
+        return f"<think>\nThe tool answered.\n</think>\n\nThe weather report says: {result}"
+    for trigger, text in (("weather in Paris", REASONED_CALL), ("Paris and Rome", PARALLEL_CALLS),
+                          ("long call", LONG_CALL), ("say hello", "<think>\nA greeting.\n</think>\n\nHello there!"),
+                          ("stop word", "Before the STOP after")):
+        if trigger in turn:
+            return text
+    if "think first" in turn:
+        return ModelText("<think>\nPlan the answer.\n</think>")  # then the model, under the constraint
+    return None

@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         return plan_tools(req.tools, req.tool_choice, auto_tool_parser(self.tool_call_parser, self.template(req)),
-                          self.engine.model_name)
+                          self.engine.model_name, req.parallel_tool_calls)
 
     def structure(self, call: Call) -> StructuredOutputsParams | None:
         req = call.req

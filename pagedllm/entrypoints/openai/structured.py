@@ -78,9 +78,11 @@ def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-               auto_parser: str | None, model_name: str) -> ToolPlan | None:
+               auto_parser: str | None, model_name: str, parallel: bool | None = None) -> ToolPlan | None:
     """auto_parser: the tool-call parser of free text (--tool-call-parser or the template's); None when the
-    model's template has no tool calling."""
+    model's template has no tool calling. parallel=False: "required" makes exactly one call."""
+    if not tools and (isinstance(tool_choice, dict) or tool_choice == "required"):
+        raise ValueError(f"tool_choice: {tool_choice!r} needs tools")
     if not tools or tool_choice == "none":
         return None
     fns = function_schemas(tools)
@@ -93,6 +95,8 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": n}, "parameters": p},
              "required": ["name", "parameters"], "additionalProperties": False} for n, p in fns.items()]}}
+        if parallel is False:
+            calls["maxItems"] = 1
         return ToolPlan(_single("tools", json=calls), RequiredToolParser(fns))
     if tool_choice in (None, "auto"):
         if auto_parser is None:

@@ -143,4 +143,5 @@ def to_chat_request(req: MessagesRequest, request_id: str | None = None) -> Chat
     return chat_request(CHAT_NAMES, model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens,
                         stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
+                        parallel_tool_calls=not (req.tool_choice or {}).get("disable_parallel_tool_use", False),
                         stream=req.stream, request_id=request_id, **extras)
