@@ -11,7 +11,14 @@ import threading
 import httpx
 import jsonschema
 import pytest
-from agent_harness import API_KEY, LONG_CALL, WEATHER_SCHEMA, make_agent_model, scripted_server, weather_script
+from agent_harness import (
+    API_KEY,
+    LONG_CALL,
+    WEATHER_SCHEMA,
+    make_agent_model,
+    scripted_server,
+    weather_script,
+)
 from server_harness import assert_idle_no_leak
 
 anthropic = pytest.importorskip("anthropic")
