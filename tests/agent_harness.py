@@ -153,7 +153,8 @@ def weather_script(prompt: str) -> str | ModelText | None:
         return f"<think>\nThe tool answered.\n</think>\n\nThe weather report says: {result}"
     for trigger, text in (("weather in Paris", REASONED_CALL), ("Paris and Rome", PARALLEL_CALLS),
                           ("long call", LONG_CALL), ("say hello", "<think>\nA greeting.\n</think>\n\nHello there!"),
-                          ("stop word", "Before the STOP after")):
+                          ("stop word", "Before the STOP after"),
+                          ("mistral style", 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}')):
         if trigger in turn:
             return text
     if "think first" in turn:
