@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+
+import httpx
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +108,10 @@ class ScriptedSampler:
 
 
 def scripted_engine(model_dir: Path, script: Script, num_blocks: int = 256) -> tuple[AsyncEngine, ScriptedSampler]:
+    # the reference attention: these tests are about the APIs, and it needs no kernel build
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=num_blocks,
-                                                   block_size=16, max_model_len=MAX_MODEL_LEN, seed=0))
+                                                   block_size=16, max_model_len=MAX_MODEL_LEN, seed=0,
+                                                   attention_backend="reference"))
     sampler = ScriptedSampler(engine.sampler, engine.tokenizer, min(engine.eos_token_ids), script)
     engine.sampler = sampler
     return AsyncEngine(engine), sampler
@@ -120,9 +124,18 @@ def scripted_server(model_dir: Path, script: Script, **app_options) -> Iterator[
     try:
         with LiveServer(build_app(engine, api_key=API_KEY, served_model_name="tiny", **app_options)) as live:
             live.engine, live.sampler = engine, sampler
+            warm_up(live.url)
             yield live
     finally:
         engine.shutdown()
+
+
+def warm_up(url: str) -> None:
+    """One token through the server: the first forward may build (or wait for another process building) the
+    CPU kernels, which must not eat the timeouts of the tests."""
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1800)
+    assert r.status_code == 200, r.text
 
 
 def last_turn(prompt: str) -> str:

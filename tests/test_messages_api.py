@@ -36,7 +36,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=600)
 
 
 def blocks(message):

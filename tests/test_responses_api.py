@@ -35,7 +35,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
 
 def create(client, text, **kw):
