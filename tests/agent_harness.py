@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-
-import httpx
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from server_harness import MAX_MODEL_LEN, LiveServer
 from tiny_models import make_tiny_model, make_tokenizer
 
@@ -173,3 +172,9 @@ def weather_script(prompt: str) -> str | ModelText | None:
     if "think first" in turn:
         return ModelText("<think>\nPlan the answer.\n</think>")  # then the model, under the constraint
     return None
+
+
+def openai_client(server: LiveServer):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)

@@ -36,3 +36,13 @@ def batch_dependent_kernels():
 
     with kernel_mode(invariant=False):
         yield
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory):
+    """A live server on a tiny Qwen3-style model whose tokens spell agent_harness.weather_script (one per module)."""
+    from agent_harness import make_agent_model, scripted_server, weather_script
+
+    with scripted_server(make_agent_model(tmp_path_factory.mktemp("agent")), weather_script,
+                         reasoning_parser="qwen3") as live:
+        yield live

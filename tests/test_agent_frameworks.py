@@ -8,13 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from typing import Literal
 
-import httpx
 import pytest
 from agent_harness import API_KEY, make_agent_model, scripted_server, warm_up, weather_script
-from server_harness import assert_idle_no_leak, free_port
+from server_harness import assert_idle_no_leak, free_port, wait_healthy
 
 agents = pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
@@ -53,7 +51,7 @@ def test_agent_loop_uses_the_tool_result(model_dir, api):
 
 
 @pytest.fixture(scope="module")
-def served(model_dir):
+def served(model_dir, tmp_path_factory):
     """`pagedllm serve` in its own process on the tiny model."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm", "serve", str(model_dir), "--port", str(port), "--api-key", API_KEY,
@@ -61,19 +59,11 @@ def served(model_dir):
            "--max-model-len", "1024", "--reasoning-parser", "qwen3", "--disable-log-stats",
            "--served-model-name", "tiny"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "pagedllm serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, proc, timeout=300, log=log)
         warm_up(url)
         yield url
     finally:

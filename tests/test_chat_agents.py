@@ -10,15 +10,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from agent_harness import (
-    API_KEY,
-    LONG_CALL,
-    QWEN3_TEMPLATE,
-    WEATHER_SCHEMA,
-    make_agent_model,
-    scripted_server,
-    weather_script,
-)
+from agent_harness import API_KEY, LONG_CALL, QWEN3_TEMPLATE, WEATHER_SCHEMA, openai_client
 
 openai = pytest.importorskip("openai")
 
@@ -26,16 +18,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 OPENS_THINKING = QWEN3_TEMPLATE + "{%- if add_generation_prompt %}{{- '<think>\\n' }}{%- endif %}"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with scripted_server(make_agent_model(tmp_path_factory.mktemp("agent")), weather_script,
-                         reasoning_parser="qwen3") as live:
-        yield live
-
-
 @pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+def client(agent_server):
+    return openai_client(agent_server)
 
 
 def chat(client, content, **kw):
@@ -88,9 +73,9 @@ def test_reasoning_and_tool_calls_whole_and_streamed(client, content):
         assert w[2][0]["name"] == "get_weather" and w[3] == "tool_calls"
 
 
-def test_cut_call_is_reported_with_finish_reason_length(server, client):
+def test_cut_call_is_reported_with_finish_reason_length(agent_server, client):
     head = LONG_CALL[:LONG_CALL.index("Paris") + len("Paris Paris")]
-    budget = len(server.engine.tokenizer.encode(head, add_special_tokens=False))
+    budget = len(agent_server.engine.tokenizer.encode(head, add_special_tokens=False))
     w = whole(chat(client, "Make a long call.", tools=TOOLS, max_tokens=budget))
     s = assembled(chat(client, "Make a long call.", tools=TOOLS, max_tokens=budget, stream=True))
     assert same_but_ids(w, s)
@@ -107,10 +92,10 @@ def test_parser_read_from_a_request_template(client):
     assert len(call.id) == 9 and call.id.isalnum()  # Mistral's templates want such ids back
 
 
-def test_template_that_opens_reasoning_on_the_real_model(server, client):
+def test_template_that_opens_reasoning_on_the_real_model(agent_server, client):
     """Nothing scripted: the random model writes, the prompt opened <think>, so all of it is reasoning."""
     kw = {"max_tokens": 24, "temperature": 0, "extra_body": {"chat_template": OPENS_THINKING}}
-    ids = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, json={
+    ids = httpx.post(agent_server.url + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, json={
         "messages": [{"role": "user", "content": "Tell me."}], "chat_template": OPENS_THINKING}).json()["tokens"]
     text = client.completions.create(model="tiny", prompt=ids, max_tokens=24, temperature=0).choices[0].text
     w = whole(chat(client, "Tell me.", **kw))

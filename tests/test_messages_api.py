@@ -11,14 +11,7 @@ import threading
 import httpx
 import jsonschema
 import pytest
-from agent_harness import (
-    API_KEY,
-    LONG_CALL,
-    WEATHER_SCHEMA,
-    make_agent_model,
-    scripted_server,
-    weather_script,
-)
+from agent_harness import API_KEY, LONG_CALL, WEATHER_SCHEMA
 from server_harness import assert_idle_no_leak
 
 anthropic = pytest.importorskip("anthropic")
@@ -27,16 +20,9 @@ TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_sche
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with scripted_server(make_agent_model(tmp_path_factory.mktemp("agent")), weather_script,
-                         reasoning_parser="qwen3") as live:
-        yield live
-
-
 @pytest.fixture
-def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=600)
+def client(agent_server):
+    return anthropic.Anthropic(base_url=agent_server.url, api_key=API_KEY, max_retries=0, timeout=600)
 
 
 def blocks(message):
@@ -99,12 +85,12 @@ def test_count_tokens_is_the_prompt(client):
     assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
 
 
-def test_stop_sequence_and_cut_call(server, client):
+def test_stop_sequence_and_cut_call(agent_server, client):
     m = client.messages.create(model="tiny", max_tokens=50, messages=[{"role": "user", "content": "stop word"}],
                                stop_sequences=["STOP"])
     assert blocks(m) == [("text", "Before the ")] and m.stop_reason == "stop_sequence" and m.stop_sequence == "STOP"
     head = LONG_CALL[:LONG_CALL.index("Paris") + len("Paris Paris")]
-    budget = len(server.engine.tokenizer.encode(head, add_special_tokens=False))
+    budget = len(agent_server.engine.tokenizer.encode(head, add_special_tokens=False))
     cut = client.messages.create(model="tiny", max_tokens=budget, tools=TOOLS,
                                  messages=[{"role": "user", "content": "Make a long call."}])
     assert cut.stop_reason == "max_tokens"
@@ -137,7 +123,7 @@ BAD = [
 ]
 
 
-def test_bad_input_is_an_anthropic_400_and_others_are_unaffected(server, client):
+def test_bad_input_is_an_anthropic_400_and_others_are_unaffected(agent_server, client):
     done = {}
     other = threading.Thread(target=lambda: done.update(m=client.messages.create(
         model="tiny", max_tokens=200, messages=ASK, tools=TOOLS)))
@@ -148,32 +134,32 @@ def test_bad_input_is_an_anthropic_400_and_others_are_unaffected(server, client)
             client.messages.create(**kw)
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
         assert words in e.value.body["error"]["message"], (body, e.value.body)
-    r = httpx.post(server.url + "/v1/messages", json={"model": "tiny", "messages": ASK},  # no max_tokens
+    r = httpx.post(agent_server.url + "/v1/messages", json={"model": "tiny", "messages": ASK},  # no max_tokens
                    headers={"x-api-key": API_KEY})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
     other.join(120)
     assert blocks(done["m"])[-1][0] == "tool_use"
-    assert_idle_no_leak(server.engine)
+    assert_idle_no_leak(agent_server.engine)
 
 
-def test_api_keys_and_error_shapes(server):
-    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+def test_api_keys_and_error_shapes(agent_server):
+    bad = anthropic.Anthropic(base_url=agent_server.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="tiny", max_tokens=5, messages=ASK)
     assert e.value.body["error"]["type"] == "authentication_error"
-    bearer = anthropic.Anthropic(base_url=server.url, auth_token=API_KEY, api_key=None, max_retries=0)
+    bearer = anthropic.Anthropic(base_url=agent_server.url, auth_token=API_KEY, api_key=None, max_retries=0)
     assert bearer.messages.create(model="tiny", max_tokens=50, messages=[{"role": "user", "content": "say hello"}]
                                   ).content[-1].text == "Hello there!"
-    chat = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": API_KEY}, json={
+    chat = httpx.post(agent_server.url + "/v1/chat/completions", headers={"x-api-key": API_KEY}, json={
         "model": "tiny", "messages": [{"role": "user", "content": "say hello"}], "max_tokens": 40})
     assert chat.status_code == 200, chat.text
-    both = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK},
+    both = httpx.post(agent_server.url + "/v1/chat/completions", json={"messages": ASK},
                       headers={"x-api-key": API_KEY, "Authorization": "Bearer wrong"})
     assert both.status_code == 401 and both.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape here
-    missing = httpx.post(server.url + "/v1/messages/count_tokens", json={"messages": ASK})
+    missing = httpx.post(agent_server.url + "/v1/messages/count_tokens", json={"messages": ASK})
     assert missing.status_code == 401 and missing.json()["type"] == "error"
-    unknown = httpx.post(server.url + "/v1/messages", json=json.loads('{"model": "other", "max_tokens": 5, '
+    unknown = httpx.post(agent_server.url + "/v1/messages", json=json.loads('{"model": "other", "max_tokens": 5, '
                                                                       '"messages": [{"role": "user", "content": "x"}]}'),
                          headers={"x-api-key": API_KEY})
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"

@@ -25,9 +25,9 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_gate"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(tiny):
-    return make_llm(tiny, num_kv_blocks=256)
+    return make_llm(tiny, num_kv_blocks=256)  # per test: a fresh engine (and prefix cache) each time
 
 
 def greedy(llm, prompt: str, structured: StructuredOutputsParams | None = None, max_tokens: int = 40):

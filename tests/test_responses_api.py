@@ -11,14 +11,7 @@ import threading
 
 import jsonschema
 import pytest
-from agent_harness import (
-    API_KEY,
-    LONG_CALL,
-    WEATHER_SCHEMA,
-    make_agent_model,
-    scripted_server,
-    weather_script,
-)
+from agent_harness import LONG_CALL, WEATHER_SCHEMA, openai_client
 from server_harness import assert_idle_no_leak
 
 openai = pytest.importorskip("openai")
@@ -26,16 +19,9 @@ openai = pytest.importorskip("openai")
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_SCHEMA}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with scripted_server(make_agent_model(tmp_path_factory.mktemp("agent")), weather_script,
-                         reasoning_parser="qwen3") as live:
-        yield live
-
-
 @pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+def client(agent_server):
+    return openai_client(agent_server)
 
 
 def create(client, text, **kw):
@@ -93,14 +79,14 @@ def test_stream_events_in_order_and_equal_to_create(client):
     assert text == "Let me look that up." == final.output_text
 
 
-def test_function_call_round_trip_with_previous_response_id(server, client):
+def test_function_call_round_trip_with_previous_response_id(agent_server, client):
     first = create(client, "What is the weather in Paris?")
     call = next(o for o in first.output if o.type == "function_call")
     second = create(client, [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21C"}],
                     previous_response_id=first.id)
     assert second.output_text == "The weather report says: Sunny, 21C"
     assert second.previous_response_id == first.id
-    prompt = server.sampler.prompts[-1]  # the server rebuilt the whole conversation from its store
+    prompt = agent_server.sampler.prompts[-1]  # the server rebuilt the whole conversation from its store
     assert "What is the weather in Paris?" in prompt and '"city": "Paris"' in prompt and "Sunny, 21C" in prompt
     assert second.usage.input_tokens_details.cached_tokens >= 16  # the first turn's prompt blocks were reused
 
@@ -124,18 +110,18 @@ def test_two_turns_and_stored_responses(client):
     assert e.value.body["param"] == "previous_response_id"
 
 
-def cut_budget(server) -> int:
+def cut_budget(agent_server) -> int:
     """Enough tokens for LONG_CALL to name its function and start its arguments, not to finish them."""
     head = LONG_CALL[:LONG_CALL.index("Paris") + len("Paris Paris")]
-    return len(server.engine.tokenizer.encode(head, add_special_tokens=False))
+    return len(agent_server.engine.tokenizer.encode(head, add_special_tokens=False))
 
 
-def test_parallel_calls_and_a_call_cut_by_max_output_tokens(server, client):
+def test_parallel_calls_and_a_call_cut_by_max_output_tokens(agent_server, client):
     r = create(client, "Weather in Paris and Rome, please.")
     calls = [o for o in r.output if o.type == "function_call"]
     assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
     assert len({c.call_id for c in calls}) == 2
-    budget = cut_budget(server)
+    budget = cut_budget(agent_server)
     cut = create(client, "Make a long call.", max_output_tokens=budget)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     (call,) = cut.output
@@ -180,7 +166,7 @@ BAD = [
 ]
 
 
-def test_bad_input_is_a_400_and_others_are_unaffected(server, client):
+def test_bad_input_is_a_400_and_others_are_unaffected(agent_server, client):
     done = {}
     streaming = threading.Thread(target=lambda: done.update(r=create(client, "What is the weather in Paris?")))
     streaming.start()
@@ -190,4 +176,4 @@ def test_bad_input_is_a_400_and_others_are_unaffected(server, client):
         assert e.value.status_code == 400 and e.value.body["param"] == param, (input_, kw, e.value.body)
     streaming.join(120)
     assert items(done["r"])[-1][:2] == ("function_call", "get_weather")
-    assert_idle_no_leak(server.engine)
+    assert_idle_no_leak(agent_server.engine)

@@ -246,6 +246,23 @@ class ChatMessage(BaseModel):
         return d
 
 
+def parts_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """The text of a content field of another API: a string, or a list of text parts of `kinds` (their "text",
+    or a refusal's "refusal"); ValueError naming the part otherwise."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: must be a string or a list of text parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text", part.get("refusal")) if kind in kinds else None
+        if not isinstance(text, str):
+            raise ValueError(f"{where}[{j}]: only text parts are supported here (got {kind!r})")
+        out.append(text)
+    return "".join(out)
+
+
 def arguments_object(arguments: Any) -> Any:
     """Tool-call arguments as the object chat templates render with `tojson` (transformers' convention; the
     OpenAI wire format sends JSON text): text that is not a JSON object stays as it is."""

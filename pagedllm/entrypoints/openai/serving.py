@@ -18,7 +18,14 @@ from pydantic import BaseModel
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, internal_error
 from pagedllm.entrypoints.openai.lifecycle import ShutdownGate
-from pagedllm.entrypoints.openai.output_parser import OutputParser, SegmentEvent, SegmentStream, mark_cut
+from pagedllm.entrypoints.openai.output_parser import (
+    OutputParser,
+    Segment,
+    SegmentEvent,
+    SegmentStream,
+    mark_cut,
+    parse_final,
+)
 from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagedllm.entrypoints.openai.streams import (
@@ -248,6 +255,27 @@ class OpenAIServing:
             return Response(status_code=499)
         except Exception as e:
             raise engine_error(e) from e
+
+    async def finish_segments(self, raw: Request, call: Call, streams: list[RequestStream]
+                              ) -> tuple[RequestOutput, list[Segment]] | Response:
+        """A one-choice request to its end: its final output and segments (a 499 response if the client left)."""
+        finals = await self.finish(raw, streams)
+        if isinstance(finals, Response):
+            return finals
+        (final,) = finals
+        c = final.outputs[0]
+        segments = parse_final(call.parser or OutputParser(), c.text)
+        mark_cut(segments, c.finish_reason)
+        return final, segments
+
+    async def stream_segments(self, call: Call, streams: list[RequestStream]
+                              ) -> AsyncIterator[tuple[RequestOutput, list[SegmentEvent], bool]]:
+        """A one-choice request's outputs as they come, each with its segment events and whether the output was
+        cut by max_tokens (the last one says how it ended)."""
+        tracker = DeltaTracker(call.params)
+        async for _, out in merge_streams(self.engine, streams):
+            d = tracker.delta(0, out.outputs[0])
+            yield out, call.segment_events(0, d) if d is not None else [], out.outputs[0].finish_reason == "length"
 
     async def _stream(self, call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
         for resp in self.stream_start(call):

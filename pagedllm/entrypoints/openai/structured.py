@@ -4,6 +4,7 @@ and `tools` + `tool_choice` (a forced call is generated under the function's par
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,22 @@ def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def function_tools(tools: list[dict[str, Any]] | None, read: Callable[[dict[str, Any]], dict[str, Any] | None],
+                   expected: str) -> list[dict[str, Any]] | None:
+    """Another API's tools as chat function tools; `read` gives a tool's {"name", "description", "parameters"}
+    (None: not a kind we serve)."""
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        fn = read(t) if isinstance(t, dict) else None
+        if fn is None or not isinstance(fn.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise ValueError(f"tools: tools[{i}]: only {expected} are supported (got type {kind!r})")
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
                auto_parser: str | None, model_name: str, parallel: bool | None = None) -> ToolPlan | None:
     """auto_parser: the tool-call parser of free text (--tool-call-parser or the template's); None when the
@@ -121,5 +138,5 @@ def auto_tool_parser(configured: str | None, template: str | None) -> str | None
     return tool_parser_for_template(template) or "hermes"
 
 
-__all__ = ["GrammarError", "ToolPlan", "auto_tool_parser", "function_schemas", "plan_tools", "requested_structure",
+__all__ = ["GrammarError", "ToolPlan", "auto_tool_parser", "function_schemas", "function_tools", "plan_tools", "requested_structure",
            "template_supports_tools"]

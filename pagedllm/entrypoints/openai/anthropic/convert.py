@@ -10,7 +10,8 @@ from typing import Any
 
 from pydantic import Field
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel, chat_request
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel, chat_request, parts_text
+from pagedllm.entrypoints.openai.structured import function_tools
 
 # chat request fields -> the Messages field they came from (for error messages)
 CHAT_NAMES = {"messages": "messages", "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
@@ -40,24 +41,10 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = 1  # not part of a count request
 
 
-def _text(blocks: Any, where: str) -> str:
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise ValueError(f"{where}: must be a string or a list of text blocks")
-    out = []
-    for j, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else None
-            raise ValueError(f"{where}[{j}]: only text blocks are supported here (got {kind!r})")
-        out.append(b["text"])
-    return "".join(out)
-
-
 def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system:
-        out.append({"role": "system", "content": _text(req.system, "system")})
+        out.append({"role": "system", "content": parts_text(req.system, "system")})
     called: set[str] = set()
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
@@ -83,7 +70,7 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
                 if b.get("tool_use_id") not in called:
                     raise ValueError(f"{at}: tool_result for tool_use_id {b.get('tool_use_id')!r}, which no "
                                      "earlier tool_use block made")
-                result = _text(b.get("content") or "", f"{at}.content")
+                result = parts_text(b.get("content"), f"{at}.content")
                 if b.get("is_error"):
                     result = f"Error: {result}"
                 results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
@@ -106,19 +93,13 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise ValueError(f"tools[{i}]: only client tools with a name and input_schema are supported "
-                             f"(got type {kind!r})")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+    def read(t: dict[str, Any]) -> dict[str, Any] | None:
+        if t.get("type") not in (None, "custom"):
+            return None  # server tools (web search, code execution, ...) run at Anthropic
+        schema = t.get("input_schema") or {"type": "object", "properties": {}}
+        return {"name": t.get("name"), "description": t.get("description") or None, "parameters": schema}
+
+    return function_tools(tools, read, "client tools with a name and input_schema")
 
 
 def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:

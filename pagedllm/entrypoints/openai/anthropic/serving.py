@@ -19,10 +19,8 @@ from pagedllm.entrypoints.openai.anthropic.convert import (
     to_chat_request,
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, renamed
-from pagedllm.entrypoints.openai.output_parser import mark_cut, parse_final
 from pagedllm.entrypoints.openai.serving import Call, engine_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.streams import DeltaTracker, merge_streams
 from pagedllm.entrypoints.openai.validation import check_unicode
 
 PARAMS = set(MessagesRequest.model_fields)
@@ -50,26 +48,19 @@ class AnthropicServingMessages:
         if req.stream:
             return self.chat.event_stream(self._stream(call, streams, message_id),
                                           lambda e: render.error_event(engine_error(e)), done="")
-        finals = await self.chat.finish(raw, streams)
-        if isinstance(finals, Response):
-            return finals
-        (final,) = finals
-        c = final.outputs[0]
-        segments = parse_final(call.parser, c.text)
-        mark_cut(segments, c.finish_reason)
+        done = await self.chat.finish_segments(raw, call, streams)
+        if isinstance(done, Response):
+            return done
+        final, segments = done
         return JSONResponse(render.message(message_id, call.model, segments, final))
 
     async def _stream(self, call: Call, streams: list[RequestStream], message_id: str) -> AsyncIterator[str]:
-        tracker = DeltaTracker(call.params)
         final = None
-        async for _, out in merge_streams(self.chat.engine, streams):
+        async for out, events, _ in self.chat.stream_segments(call, streams):
             if final is None:
                 yield render.message_start(message_id, call.model, out)
             final = out
-            d = tracker.delta(0, out.outputs[0])
-            if d is None:
-                continue
-            for ev in call.segment_events(0, d):
+            for ev in events:
                 for event in render.segment_events(ev):
                     yield event
         assert final is not None and final.finished
@@ -93,10 +84,5 @@ class AnthropicServingMessages:
 
 
 def add_messages_routes(app: FastAPI, messages: AnthropicServingMessages) -> None:
-    @app.post("/v1/messages")
-    async def create_message(req: MessagesRequest, raw: Request) -> Response:
-        return await messages.create(req, raw)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(req: CountTokensRequest) -> JSONResponse:
-        return JSONResponse(await messages.count_tokens(req))
+    app.add_api_route("/v1/messages", messages.create, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"])

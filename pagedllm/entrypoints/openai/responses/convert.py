@@ -7,30 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, chat_request
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, chat_request, parts_text
 from pagedllm.entrypoints.openai.responses.protocol import SAMPLING_EXTRAS, ResponsesRequest
+from pagedllm.entrypoints.openai.structured import function_tools
 
 # chat request fields -> the Responses field they came from (for error messages)
 CHAT_NAMES = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
               "max_tokens": "max_output_tokens"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's or tool output's text: a string, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of parts")
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text", part.get("refusal")), str):
-            raise ValueError(f"{where}.content[{j}]: only text parts are supported (got {kind!r})")
-        out.append(part.get("text", part.get("refusal")))
-    return "".join(out)
 
 
 def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,7 +34,8 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"{where}: role must be user, system, developer or assistant, got {role!r}")
-            msg = {"role": "system" if role == "developer" else role, "content": _text(item.get("content"), where)}
+            msg = {"role": "system" if role == "developer" else role,
+                   "content": parts_text(item.get("content"), f"{where}.content", _TEXT_PARTS)}
             if role == "assistant" and reasoning:
                 msg["reasoning_content"] = "".join(reasoning)
                 reasoning = []
@@ -76,10 +61,11 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             if call_id not in known:
                 raise ValueError(f"{where}: function_call_output for call_id {call_id!r}, which no function_call "
                                  "of this conversation made")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), where)})
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": parts_text(item.get("output"), f"{where}.output", _TEXT_PARTS)})
         elif kind == "reasoning":
             parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning.append(_text(parts, where))
+            reasoning.append(parts_text(parts, f"{where}.content", _TEXT_PARTS))
         else:
             raise ValueError(f"{where}: item type {kind!r} is not supported (message, function_call, "
                              "function_call_output, reasoning)")
@@ -87,16 +73,10 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise ValueError(f"tools: tools[{i}]: only function tools with a name are supported (got {kind!r})")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+    def read(t: dict[str, Any]) -> dict[str, Any] | None:
+        return {k: t.get(k) for k in ("name", "description", "parameters")} if t.get("type") == "function" else None
+
+    return function_tools(tools, read, "function tools with a name")
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:

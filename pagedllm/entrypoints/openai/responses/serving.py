@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, renamed
-from pagedllm.entrypoints.openai.output_parser import Segment, mark_cut, parse_final
+from pagedllm.entrypoints.openai.output_parser import Segment
 from pagedllm.entrypoints.openai.responses.builder import ResponseBuilder, assistant_message, usage
 from pagedllm.entrypoints.openai.responses.convert import CHAT_NAMES, to_chat_request
 from pagedllm.entrypoints.openai.responses.events import ResponseEvents
@@ -21,7 +21,6 @@ from pagedllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.responses.store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.serving import Call, engine_error, usage_of
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.streams import DeltaTracker, merge_streams
 from pagedllm.entrypoints.openai.validation import check_unicode
 from pagedllm.outputs import RequestOutput
 
@@ -63,30 +62,23 @@ class OpenAIServingResponses:
             events = ResponseEvents(builder)
             return self.chat.event_stream(self._stream(call, streams, builder, events, history),
                                           lambda e: events.error(engine_error(e)), done="")
-        finals = await self.chat.finish(raw, streams)
-        if isinstance(finals, Response):
-            return finals
-        (final,) = finals
-        c = final.outputs[0]
-        segments = parse_final(call.parser, c.text)
-        mark_cut(segments, c.finish_reason)
+        done = await self.chat.finish_segments(raw, call, streams)
+        if isinstance(done, Response):
+            return done
+        final, segments = done
         return JSONResponse(self._complete(call, builder, final, segments, history))
 
     async def _stream(self, call: Call, streams: list[RequestStream], builder: ResponseBuilder,
                       events: ResponseEvents, history: list[dict[str, Any]]) -> AsyncIterator[str]:
         for event in events.start():
             yield event
-        tracker = DeltaTracker(call.params)
         final = None
-        async for _, out in merge_streams(self.chat.engine, streams):
-            final = out if out.finished else final
-            d = tracker.delta(0, out.outputs[0])
-            if d is None:
-                continue
-            for ev in call.segment_events(0, d):
-                for event in events.segment(ev, cut=d.finish_reason == "length"):
+        async for out, segment_events, cut in self.chat.stream_segments(call, streams):
+            final = out
+            for ev in segment_events:
+                for event in events.segment(ev, cut):
                     yield event
-        assert final is not None
+        assert final is not None and final.finished
         stream = call.segment_streams.get(0)
         yield events.finish(self._complete(call, builder, final, stream.segments if stream else [], history))
 
@@ -115,14 +107,6 @@ class OpenAIServingResponses:
 
 
 def add_responses_routes(app: FastAPI, responses: OpenAIServingResponses) -> None:
-    @app.post("/v1/responses")
-    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
-        return await responses.create(req, raw)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
-        return JSONResponse(responses.get(response_id))
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> JSONResponse:
-        return JSONResponse(responses.delete(response_id))
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", responses.get, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"])
