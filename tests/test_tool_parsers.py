@@ -188,3 +188,35 @@ def test_close_partial():
     assert close_partial('{"a": [1, {"b": "c') == {"a": [1, {"b": "c"}]}
     assert close_partial('{"a": tr') == {}
     assert close_partial("") is None
+
+
+def test_auto_parser_and_serve_flags():
+    import argparse
+
+    from pagedllm.entrypoints.openai.server import add_serve_args
+    from pagedllm.entrypoints.openai.structured import auto_tool_parser
+
+    assert auto_tool_parser("mistral", "{{ tools }} <tool_call>") == "mistral"  # the server's flag wins
+    assert auto_tool_parser(None, "{{ tools }} <tool_call><function={{ n }}>") == "qwen3_coder"
+    assert auto_tool_parser(None, "{% if tools %}{{ tools }}{% endif %}") == "hermes"  # renders tools, no marker
+    assert auto_tool_parser(None, "{{ messages }}") is None  # no tool calling: "auto" is a 400
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(
+        ["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "deepseek_r1", "--max-stored-responses", "8"])
+    assert (args.tool_call_parser, args.reasoning_parser, args.max_stored_responses) == ("qwen3_coder", "deepseek_r1", 8)
+    with pytest.raises(SystemExit):
+        add_serve_args(argparse.ArgumentParser()).parse_args(["--tool-call-parser", "nope"])
+
+
+def test_response_store_is_bounded():
+    from pagedllm.entrypoints.openai.responses.store import ResponseStore, StoredResponse
+
+    store = ResponseStore(max_responses=3, max_chars=10_000)
+    for i in range(5):
+        store.put(f"r{i}", StoredResponse({"id": f"r{i}"}, [{"role": "user", "content": "x" * 100}]))
+    assert len(store) == 3 and store.get("r0") is None and store.get("r4") is not None
+    store.get("r2")  # used: r3 is now the least recently used
+    store.put("big", StoredResponse({"id": "big"}, [{"role": "user", "content": "y" * 9_000}]))
+    assert store.get("r3") is None and store.get("r2") is not None and store.get("big") is not None
+    store.put("huge", StoredResponse({"id": "huge"}, [{"role": "user", "content": "z" * 20_000}]))
+    assert store.get("huge") is None  # larger than the whole store: not kept
+    assert store.delete("big") and not store.delete("big")
