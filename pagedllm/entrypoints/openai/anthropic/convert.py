@@ -67,7 +67,7 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
                     "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
                 called.add(b["id"])
             elif kind == "tool_result" and role == "user":
-                if b.get("tool_use_id") not in called:
+                if not isinstance(b.get("tool_use_id"), str) or b["tool_use_id"] not in called:
                     raise ValueError(f"{at}: tool_result for tool_use_id {b.get('tool_use_id')!r}, which no "
                                      "earlier tool_use block made")
                 result = parts_text(b.get("content"), f"{at}.content")
@@ -118,9 +118,10 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
 def to_chat_request(req: MessagesRequest, request_id: str | None = None) -> ChatCompletionRequest:
     extras = {k: v for k, v in (req.model_extra or {}).items() if k in SAMPLING_EXTRAS}
     thinking = (req.thinking or {}).get("type")
-    if thinking in ("enabled", "disabled", "adaptive"):  # Qwen3-style templates switch on this
-        extras["chat_template_kwargs"] = {"enable_thinking": thinking != "disabled",
-                                          **(extras.get("chat_template_kwargs") or {})}
+    kwargs = extras.get("chat_template_kwargs")
+    if thinking in ("enabled", "disabled", "adaptive") and isinstance(kwargs, dict | None):
+        # Qwen3-style templates switch on this (the request's own chat_template_kwargs win)
+        extras["chat_template_kwargs"] = {"enable_thinking": thinking != "disabled", **(kwargs or {})}
     return chat_request(CHAT_NAMES, model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens,
                         stop=req.stop_sequences, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),

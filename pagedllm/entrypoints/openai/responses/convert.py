@@ -58,13 +58,16 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             known.add(call_id)
         elif kind == "function_call_output":
             call_id = item.get("call_id")
-            if call_id not in known:
+            if not isinstance(call_id, str) or call_id not in known:
                 raise ValueError(f"{where}: function_call_output for call_id {call_id!r}, which no function_call "
                                  "of this conversation made")
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": parts_text(item.get("output"), f"{where}.output", _TEXT_PARTS)})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
+            content, summary = item.get("content") or [], item.get("summary") or []
+            if not isinstance(content, list) or not isinstance(summary, list):
+                raise ValueError(f"{where}: a reasoning item's content and summary must be lists of parts")
+            parts = content + summary
             reasoning.append(parts_text(parts, f"{where}.content", _TEXT_PARTS))
         else:
             raise ValueError(f"{where}: item type {kind!r} is not supported (message, function_call, "
@@ -90,6 +93,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ValueError("text.format: must be an object")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
