@@ -49,3 +49,14 @@ def batch_dependent_kernels():
 
     with kernel_mode(invariant=False):
         yield
+
+
+@pytest.fixture(scope="module")
+def agent_server(tmp_path_factory):
+    """A live server on a tiny Qwen3-style model whose tokens spell agent_harness.weather_script (one per module)."""
+    from agent_harness import make_agent_model, scripted_server, weather_script
+
+    # (some tests send their own chat template: the server trusts request templates)
+    with scripted_server(make_agent_model(tmp_path_factory.mktemp("agent")), weather_script,
+                         reasoning_parser="qwen3", trust_request_chat_template=True) as live:
+        yield live

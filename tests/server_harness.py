@@ -28,6 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc, timeout: float = 180.0, log: Path | None = None) -> None:
+    """Poll a `pagedllm serve` process's /health until it answers 200 (its log, if any, on failure)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text() if log is not None else f"exited with {proc.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
 def tiny_async_engine(model_dir: Path, num_blocks: int = 256) -> AsyncEngine:
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), dtype="float32", num_kv_blocks=num_blocks,
                                                    block_size=16, max_model_len=MAX_MODEL_LEN, seed=0))

@@ -9,10 +9,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
+from server_harness import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +34,7 @@ def test_graceful_shutdown_on_signal(tmp_path, sig):
                              "--num-kv-blocks", "64", "--max-model-len", "512", "--uvicorn-log-level", "info"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, open(tmp_path / "server.log").read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, proc, log=tmp_path / "server.log")
         # the key comes from the environment
         assert httpx.get(url + "/v1/models").status_code == 401
         headers = {"Authorization": "Bearer k-env"}

@@ -51,12 +51,13 @@ def make_tokenizer(vocab_size: int = 320):
     return fast
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a random tiny model of `arch` with a real BPE tokenizer into `path`; return it."""
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """Save a random tiny model of `arch` with a real BPE tokenizer (make_tokenizer's unless given) into `path`;
+    return it."""
     import transformers
 
     cfg_name, model_name, extra = ARCHS[arch]
-    tokenizer = make_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else make_tokenizer()
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,

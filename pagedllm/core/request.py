@@ -27,7 +27,9 @@ class RequestStatus(enum.Enum):
 
 
 class Grammar(Protocol):
-    """A structured-outputs matcher (pagedllm/structured), opaque to the core but for these two questions."""
+    """A structured-outputs matcher (pagedllm/structured), opaque to the core but for these two questions (and,
+    where it has one, `mask_changed`: its last token changed the mask the next row needs, as a reasoning gate
+    does when the reasoning ends: draft rows sampled after it are not taken)."""
 
     def accept(self, token_id: int) -> bool: ...  # False (and no state change) if the grammar forbids the token
     def is_terminated(self) -> bool: ...  # the grammar is complete: only a stop token could follow

@@ -356,6 +356,8 @@ class Scheduler:
                 update.rows.append(r)
             if ended or j == len(drafts) or token != drafts[j]:
                 break
+            if getattr(req.grammar, "mask_changed", False):
+                break  # the rows after it were masked for the grammar's old state: sample them again
             update.num_accepted_tokens += 1
         if drafts:
             self.accept_draft_tokens(req, update.num_accepted_tokens)

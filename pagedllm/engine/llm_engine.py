@@ -36,7 +36,9 @@ from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, r
 from pagedllm.model.loader import load_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured.backend import allow_token
 from pagedllm.structured.gate import GrammarGate
+from pagedllm.structured.reasoning_gate import GatedMatcher
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import TokenBitmask
 
@@ -172,7 +174,11 @@ class LLMEngine:
         its own from the same compiled grammar)."""
         if state.grammar is not None:
             compiled = state.grammar.result()
-            req.new_grammar = lambda: self.structured_outputs.matcher(compiled)
+            gate = state.params.structured_outputs.after_reasoning  # (a reasoning model: free until it ends)
+            if gate is None:
+                req.new_grammar = lambda: self.structured_outputs.matcher(compiled)
+            else:
+                req.new_grammar = lambda: GatedMatcher(self.structured_outputs.matcher(compiled), gate)
             req.grammar = req.new_grammar()
         self.scheduler.add_request(req)
 
@@ -205,18 +211,23 @@ class LLMEngine:
     def _token_bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
         """The tokens each constrained row may take next (unconstrained rows are not in it): an entry with draft
         tokens gets one row per draft prefix, its matcher walked along the drafts and back; an entry that forks
-        n samples, its matcher's one mask n times (every sample starts where the prompt ends)."""
-        rows, walks, repeats, row = [], [], [], 0
+        n samples, its matcher's one mask n times (every sample starts where the prompt ends). Behind a reasoning
+        gate, rows are free while the model reasons, and its first row may also open the reasoning."""
+        rows, walks, repeats, extra, row = [], [], [], [], 0
         for s in scheduled:
             grammar = s.request.grammar
-            if grammar is not None and s.num_rows:
+            if grammar is not None and s.num_rows and getattr(grammar, "masked", True):
+                if getattr(grammar, "extra_token", None) is not None:
+                    extra.append((len(repeats), grammar.extra_token))  # the first mask row of this walk
                 rows.extend(range(row, row + s.num_rows))
-                walks.append((grammar, [] if s.forks else s.draft_token_ids))
+                walks.append((getattr(grammar, "matcher", grammar), [] if s.forks else s.draft_token_ids))
                 repeats += [s.num_rows] if s.forks else [1] * s.num_rows
             row += s.num_rows
         if not rows:
             return None
         masks = self.structured_outputs.bitmask(walks)
+        for mask_row, token in extra:
+            allow_token(masks, mask_row, token)
         return TokenBitmask(rows, masks if len(masks) == len(rows) else np.repeat(masks, repeats, axis=0))
 
     @property

@@ -229,6 +229,8 @@ class OutputProcessor:
             sample.token_ids.append(token)
             if sample.logprobs is not None:
                 self._append_logprobs(sample, token, row, sampled, p.logprobs or 0)
+            if token in u.request.stop_token_ids or token in u.request.eos_token_ids:
+                continue  # it ended the sequence: no text of its own (the scheduler finished it)
             stop = sample.detokenizer.add_token(token, len(sample.token_ids) >= p.min_tokens)
             if stop is not None:
                 sample.finish_reason, sample.stop_reason = "stop", stop

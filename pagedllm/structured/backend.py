@@ -36,6 +36,11 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def allow_token(bitmask: np.ndarray, row: int, token_id: int) -> None:
+    """Set token_id's bit in one row (bit 31 of a word is its sign bit: set through the unsigned view)."""
+    bitmask[row:row + 1].view(np.uint32)[0, token_id // 32] |= np.uint32(1 << (token_id % 32))
+
+
 BACKENDS = ("llguidance", "xgrammar")
 DEFAULT_BACKEND = "llguidance"
 

@@ -10,6 +10,21 @@ from typing import Any
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+@dataclass(frozen=True)
+class ReasoningGate:
+    """The constraint applies only once the model has finished reasoning (a `<think>...</think>` span): from
+    the start when the prompt left no reasoning open, after the `end` tokens when it did (`open`), or, when
+    `start` is set, the model may open a span with that token as its first one (else the constraint applies)."""
+
+    end: tuple[int, ...]  # the token ids that close a reasoning span
+    start: int | None = None  # a first output token that opens a span
+    open: bool = False  # the prompt opened a span: the output starts inside it
+
+    def __post_init__(self) -> None:
+        if not self.end or not all(isinstance(t, int) for t in self.end):
+            raise ValueError("ReasoningGate.end must be a non-empty tuple of token ids")
+
+
 class GrammarError(ValueError):
     """A constraint that cannot be compiled; `field` names the request field at fault (for a 400)."""
 
@@ -27,6 +42,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     # the request field each kind came from, for error messages (the server sets e.g. "response_format")
     source: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # set by the server for a reasoning model: the constraint waits for the reasoning to end (not in `key`)
+    after_reasoning: ReasoningGate | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -50,6 +67,8 @@ class StructuredOutputsParams:
                                    "the JSON schema must be an object or true")
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise GrammarError(self.field_name, "the JSON schema must be an object")
+        if self.after_reasoning is not None and not isinstance(self.after_reasoning, ReasoningGate):
+            raise GrammarError(self.field_name, "after_reasoning is set by the server, not by a request")
 
     @property
     def kind(self) -> str:

@@ -60,3 +60,31 @@ def internal_error(err: BaseException, what: str = "internal error") -> OpenAIEr
     ref = uuid.uuid4().hex[:12]
     logger.error("%s [ref %s]: %s: %s", what, ref, type(err).__name__, err, exc_info=err)
     return OpenAIError(500, f"The server had an error: {what} (reference {ref}).", code="internal_error")
+
+
+def renamed(err: OpenAIError, names: dict[str, str]) -> OpenAIError:
+    """An error of the chat request another API's request became, naming that API's own field."""
+    if err.param in names:
+        old, err.param = err.param, names[err.param]
+        if err.message.startswith(old):
+            err.message = err.param + err.message[len(old):]
+    return err
+
+
+# --- Anthropic's shape, for the /v1/messages routes: {"type": "error", "error": {"type", "message"}} ---------
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(err: OpenAIError) -> str:
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": err.message}}, ensure_ascii=True)
+
+
+def error_response(path: str, err: OpenAIError) -> Response:
+    """The error in the shape of the API the path belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return Response(anthropic_error_body(err), status_code=err.status, media_type="application/json")
+    return err.response()

@@ -7,7 +7,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # ~1M tokens of text; a max_model_len prompt is far smaller
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may pause while sending its body
@@ -22,22 +22,30 @@ PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engi
 
 
 class ApiKeyMiddleware:
-    """Every /v1 route (and POST /reset_prefix_cache) needs `Authorization: Bearer <key>` with one of the keys
-    (scheme case-insensitive, RFC 7235), in exactly one such header; checked before the body is even read."""
+    """Every /v1 route (and POST /reset_prefix_cache) needs one of the keys, as `Authorization: Bearer <key>`
+    (scheme case-insensitive, RFC 7235) or as `x-api-key: <key>` (Anthropic's clients), each header at most
+    once and every one sent right; checked before the body is even read."""
 
     def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
         self.app = app
         self.expected = [k.encode() for k in ([api_key] if isinstance(api_key, str) else api_key)]
 
-    def _error(self, scope: Scope) -> OpenAIError | None:
-        values = [v for k, v in scope["headers"] if k == b"authorization"]
-        if len(values) > 1:  # which one would a proxy have checked? refuse to guess
-            return _unauthorized("Send exactly one Authorization header.", status=400)
-        scheme, _, token = (values[0] if values else b"").strip().partition(b" ")
+    def _known(self, token: bytes) -> bool:
         # compare with every key (no early exit) so that timing tells nothing about which one came close
-        matches = [hmac.compare_digest(token.strip(), k) for k in self.expected]
-        if scheme.lower() != b"bearer" or not any(matches):
-            return _unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`.")
+        return any([hmac.compare_digest(token.strip(), k) for k in self.expected])
+
+    def _error(self, scope: Scope) -> OpenAIError | None:
+        auth = [v for k, v in scope["headers"] if k == b"authorization"]
+        x_key = [v for k, v in scope["headers"] if k == b"x-api-key"]
+        if len(auth) > 1 or len(x_key) > 1:  # which one would a proxy have checked? refuse to guess
+            return _unauthorized("Send exactly one Authorization (or x-api-key) header.", status=400)
+        tokens = list(x_key)
+        if auth:
+            scheme, _, token = auth[0].strip().partition(b" ")
+            tokens.append(token if scheme.lower() == b"bearer" else b"")
+        if not tokens or not all([self._known(t) for t in tokens]):
+            return _unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>` or "
+                                 "`x-api-key: <key>`.")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,7 +53,7 @@ class ApiKeyMiddleware:
         if path.startswith("/v1") or path in PROTECTED_PATHS:
             err = self._error(scope)
             if err is not None:
-                await err.response()(scope, receive, send)
+                await error_response(path, err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -99,7 +107,7 @@ class RequestLimitsMiddleware:
         if body is None:
             return
         if isinstance(body, OpenAIError):
-            response = body.response()
+            response = error_response(scope.get("path", ""), body)
             response.headers["connection"] = "close"  # the rest of the body is not read
             await response(scope, receive, send)
             return

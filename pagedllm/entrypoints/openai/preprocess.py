@@ -49,6 +49,10 @@ class PromptPreprocessor:
         check_prompt_tokens(len(ids), self.max_model_len, param)
         return {"prompt_token_ids": ids} if self._tokenize is not None and isinstance(prompt, str) else {}
 
+    async def token_ids(self, prompt: str) -> list[int]:
+        """The prompt's token ids as the engine counts them, unchecked (for count_tokens)."""
+        return await self.run(self._tokenize or self.engine.tokenizer.encode, prompt)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -238,7 +239,40 @@ class ChatMessage(BaseModel):
         d = self.model_dump(exclude_none=True)
         d["role"] = "system" if self.role == "developer" else self.role
         d["content"] = content or ""
+        for call in d.get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                fn["arguments"] = arguments_object(fn.get("arguments"))
         return d
+
+
+def parts_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """The text of a content field of another API: a string, or a list of text parts of `kinds` (their "text",
+    or a refusal's "refusal"); ValueError naming the part otherwise."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: must be a string or a list of text parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text", part.get("refusal")) if kind in kinds else None
+        if not isinstance(text, str):
+            raise ValueError(f"{where}[{j}]: only text parts are supported here (got {kind!r})")
+        out.append(text)
+    return "".join(out)
+
+
+def arguments_object(arguments: Any) -> Any:
+    """Tool-call arguments as the object chat templates render with `tojson` (transformers' convention; the
+    OpenAI wire format sends JSON text): text that is not a JSON object stays as it is."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -285,6 +319,18 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs, defaults)
 
 
+def chat_request(names: dict[str, str], **fields: Any) -> ChatCompletionRequest:
+    """The chat request another API's request runs as; a field that does not validate is a ValueError naming
+    the other API's field (`names`: chat field -> its name there)."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        field = names.get(loc[0], loc[0]) if loc else "body"
+        raise ValueError(f"{field}: {'.'.join(loc[1:]) + ': ' if loc[1:] else ''}{err.get('msg')}") from None
+
+
 class ChatLogprobTop(BaseModel):
     token: str
     logprob: float
@@ -313,6 +359,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's reasoning (vLLM's name)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -331,6 +378,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool call deltas: {"index", "id", "type", "function"}
 
 

@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.errors import OpenAIError, internal_error
+from pagedllm.entrypoints.openai.anthropic.serving import AnthropicServingMessages, add_messages_routes
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, internal_error
 from pagedllm.entrypoints.openai.kv_page import add_kv_routes
 from pagedllm.entrypoints.openai.lifecycle import Server, ShutdownGate
 from pagedllm.entrypoints.openai.middleware import (
@@ -36,9 +37,13 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
 )
 from pagedllm.entrypoints.openai.protocols import http_protocol
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS, make_reasoning_parser
+from pagedllm.entrypoints.openai.responses.serving import OpenAIServingResponses, add_responses_routes
+from pagedllm.entrypoints.openai.responses.store import DEFAULT_MAX_RESPONSES, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST, startup_summary
 
 logger = logging.getLogger(__name__)
@@ -63,7 +68,9 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
               allowed_origins: list[str] | None = None, chat_template: str | None = None,
               trust_request_chat_template: bool = False,
               docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              request_body_timeout: float = DEFAULT_BODY_TIMEOUT, **engine_options: Any) -> FastAPI:
+              request_body_timeout: float = DEFAULT_BODY_TIMEOUT, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+              **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
     engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
     another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
@@ -85,6 +92,12 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     for serving in (chat, tokens):
         serving.default_chat_template = chat_template
         serving.trust_request_chat_template = trust_request_chat_template
+    chat.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    if tool_call_parser is not None:
+        make_tool_parser(tool_call_parser, {})  # an unknown name fails here, not on the first request
+    chat.tool_call_parser = tool_call_parser
+    responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
+    messages = AnthropicServingMessages(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -114,22 +127,23 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
 
+    # each API's errors in its own shape (errors.error_response picks it by path)
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(request.url.path, _validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+        return error_response(request.url.path, OpenAIError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> Response:
-        return internal_error(exc, "unhandled error").response()
+    async def _internal(request: Request, exc: Exception) -> Response:
+        return error_response(request.url.path, internal_error(exc, "unhandled error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -161,6 +175,8 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
 
+    add_responses_routes(app, responses)
+    add_messages_routes(app, messages)
     add_extra_routes(app, tokens)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
@@ -181,6 +197,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests carry their own chat_template (a program the server renders; refused "
                              "by default, as vLLM)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="read the model's <think> reasoning out of its text: reasoning_content (chat), "
+                             "reasoning items (responses), thinking blocks (messages)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the format of tool calls in free text for tool_choice auto (default: read from the "
+                             "chat template where unambiguous, else hermes)")
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_RESPONSES,
+                        help="responses kept for GET /v1/responses/{id} and previous_response_id (least recently "
+                             "used dropped first; 0: none)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt length, parameters and finish reasons")
     parser.add_argument("--log-prompts", action="store_true",
@@ -238,7 +263,9 @@ def serve_main(args: argparse.Namespace) -> None:
                     trust_request_chat_template=args.trust_request_chat_template,
                     log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                     log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
-                    max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout)
+                    max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout,
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                    max_stored_responses=args.max_stored_responses)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, **uvicorn_limits(args))
     Server(config, app.state.shutdown_gate).run()

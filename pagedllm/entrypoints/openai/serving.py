@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -18,6 +18,14 @@ from pydantic import BaseModel
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request, internal_error
 from pagedllm.entrypoints.openai.lifecycle import ShutdownGate
+from pagedllm.entrypoints.openai.output_parser import (
+    OutputParser,
+    Segment,
+    SegmentEvent,
+    SegmentStream,
+    mark_cut,
+    parse_final,
+)
 from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagedllm.entrypoints.openai.streams import (
@@ -119,6 +127,19 @@ class Call:
     fmt: LogprobFormatter
     created: int = field(default_factory=now)
     text_offsets: dict[int, int] = field(default_factory=dict)  # characters sent per choice (completions)
+    parser: OutputParser | None = None  # chat: reasoning and tool calls read from the text
+    segment_streams: dict[int, SegmentStream] = field(default_factory=dict)  # per choice, while streaming
+    texts: dict[int, str] = field(default_factory=dict)  # text streamed so far per choice
+
+    def segment_events(self, index: int, d: ChoiceDelta) -> list[SegmentEvent]:
+        """The segment events of choice `index`'s new text `d`."""
+        assert self.parser is not None
+        stream = self.segment_streams.setdefault(index, SegmentStream(self.parser))
+        self.texts[index] = text = self.texts.get(index, "") + d.text
+        events = stream.update(text, final=d.finish_reason is not None)
+        if d.finish_reason is not None:
+            mark_cut(stream.segments, d.finish_reason)
+        return events
 
     @property
     def include_usage(self) -> bool:
@@ -179,9 +200,9 @@ class OpenAIServing:
     async def prompts(self, req: Any) -> list[Prompt]:
         raise NotImplementedError
 
-    def structure(self, req: Any) -> StructuredOutputsParams | None:
+    def structure(self, call: Call) -> StructuredOutputsParams | None:
         """What the output must match (response_format, structured_outputs, guided_*); ValueError if invalid."""
-        return requested_structure(req)
+        return requested_structure(call.req)
 
     def response(self, call: Call, finals: list[RequestOutput]) -> BaseModel:
         """The whole (non-streamed) response."""
@@ -202,31 +223,70 @@ class OpenAIServing:
 
     # -- the request's life ---------------------------------------------------------------------------------
     async def create(self, req: Any, raw: Request) -> Response:
+        call, streams = await self.start(req)
+        if req.stream:
+            return self.event_stream(self._stream(call, streams), lambda e: engine_error(e).sse())
+        finals = await self.finish(raw, streams)
+        if isinstance(finals, Response):
+            return finals
+        return JSONResponse(self.response(call, finals).model_dump(mode="json"))
+
+    async def start(self, req: Any) -> tuple[Call, list[RequestStream]]:
+        """Validate a request, render its prompts and add them to the engine: the part every API shares."""
         check_unicode(req)
         self.warn_unknown_fields(req)
         self.check_model(req.model)
         try:
             params = req.to_sampling_params(getattr(self.engine, "generation_defaults", None))
-            params.structured_outputs = self.structure(req)
-            if params.structured_outputs is not None:
-                await self.engine.compile_grammar(params.structured_outputs)
-        except ValueError as e:  # GrammarError included: its message starts with the field at fault
+        except ValueError as e:
             raise bad_request(e, self.request_params) from e
         prompts = await self.prompts(req)
         call = Call(req, params, req.request_id or random_id(self.id_prefix), req.model or self.served_model_name,
                     prompts, LogprobFormatter(self.engine.tokenizer, params.logprobs or 0))
-        streams = await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params,
-                                    req.priority)
-        if req.stream:
-            return StreamingResponse(guarded(self._stream(call, streams), lambda e: engine_error(e).sse(), self.gate),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            finals = await run_until_disconnect(raw, final_outputs(self.engine, streams), self.gate)
+            params.structured_outputs = self.structure(call)
+            if params.structured_outputs is not None:
+                await self.engine.compile_grammar(params.structured_outputs)
+        except ValueError as e:  # GrammarError included: its message starts with the field at fault
+            raise bad_request(e, self.request_params) from e
+        return call, await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params,
+                                       getattr(req, "priority", 0))
+
+    def event_stream(self, body: AsyncIterator[str], on_error: Callable[[BaseException], str],
+                     done: str = SSE_DONE) -> Response:
+        """An SSE response; on_error renders a failure (or the shutdown deadline) as the API's error event."""
+        return StreamingResponse(guarded(body, on_error, self.gate, done), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def finish(self, raw: Request, streams: list[RequestStream]) -> list[RequestOutput] | Response:
+        """The final outputs of a non-streamed request (a 499 response if the client went away)."""
+        try:
+            return await run_until_disconnect(raw, final_outputs(self.engine, streams), self.gate)
         except ClientDisconnected:
             return Response(status_code=499)
         except Exception as e:
             raise engine_error(e) from e
-        return JSONResponse(self.response(call, finals).model_dump(mode="json"))
+
+    async def finish_segments(self, raw: Request, call: Call, streams: list[RequestStream]
+                              ) -> tuple[RequestOutput, list[Segment]] | Response:
+        """A one-choice request to its end: its final output and segments (a 499 response if the client left)."""
+        finals = await self.finish(raw, streams)
+        if isinstance(finals, Response):
+            return finals
+        (final,) = finals
+        c = final.outputs[0]
+        segments = parse_final(call.parser or OutputParser(), c.text)
+        mark_cut(segments, c.finish_reason)
+        return final, segments
+
+    async def stream_segments(self, call: Call, streams: list[RequestStream]
+                              ) -> AsyncIterator[tuple[RequestOutput, list[SegmentEvent], bool]]:
+        """A one-choice request's outputs as they come, each with its segment events and whether the output was
+        cut by max_tokens (the last one says how it ended)."""
+        tracker = DeltaTracker(call.params)
+        async for _, out in merge_streams(self.engine, streams):
+            d = tracker.delta(0, out.outputs[0])
+            yield out, call.segment_events(0, d) if d is not None else [], out.outputs[0].finish_reason == "length"
 
     async def _stream(self, call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
         for resp in self.stream_start(call):

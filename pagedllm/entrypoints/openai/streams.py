@@ -143,9 +143,10 @@ class DeltaTracker:
 
 
 async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], str],
-                  gate: ShutdownGate | None = None) -> AsyncIterator[str]:
+                  gate: ShutdownGate | None = None, done: str = SSE_DONE) -> AsyncIterator[str]:
     """An SSE body that ends cleanly whatever happens after the headers: a failure, or the graceful-shutdown
-    deadline, becomes one error event followed by [DONE], never a connection cut mid-body."""
+    deadline, becomes one error event followed by `done` ([DONE]; APIs without it pass ""), never a
+    connection cut mid-body."""
     nxt: asyncio.Future | None = None
     try:
         while True:
@@ -153,7 +154,7 @@ async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], s
             if gate is not None:
                 await asyncio.wait({nxt, gate.cut_task()}, return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():  # the deadline came first (the finally below stops the body)
-                    yield gate.error().sse() + SSE_DONE
+                    yield on_error(gate.error()) + done
                     return
             try:
                 chunk = await nxt
@@ -163,7 +164,7 @@ async def guarded(gen: AsyncIterator[str], on_error: Callable[[BaseException], s
     except ClientDisconnected:
         return
     except Exception as e:
-        yield on_error(e) + SSE_DONE
+        yield on_error(e) + done
     finally:
         if nxt is not None and not nxt.done():
             nxt.cancel()

@@ -4,12 +4,17 @@ and `tools` + `tool_choice` (a forced call is generated under the function's par
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.tool_parsers import (
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    make_tool_parser,
+    tool_parser_for_template,
+)
 from pagedllm.structured.params import KINDS, GrammarError, StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -52,15 +57,14 @@ def requested_structure(req: Any) -> StructuredOutputsParams | None:
 # --- tools ---------------------------------------------------------------------------------------------------
 @dataclass
 class ToolPlan:
-    """How a chat request with tools is generated and read back."""
+    """How a request with tools is generated and read back."""
 
-    structure: StructuredOutputsParams | None  # the constraint (None: free text, tool calls parsed from it)
-    forced: str | None = None  # named tool_choice: the output is that function's arguments
-    required: bool = False  # tool_choice "required": the output is a JSON array of {"name", "parameters"}
-    auto: bool = False  # tool_choice "auto": <tool_call>{...}</tool_call> blocks in free text (Hermes format)
+    structure: StructuredOutputsParams | None  # the constraint (None: free text, calls parsed from it)
+    parser: ToolParser  # reads the calls from the output (a named or "required" choice's constrained JSON too)
 
 
-def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> parameters schema of OpenAI chat tools; ValueError naming the bad entry."""
     out = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -74,56 +78,65 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def function_tools(tools: list[dict[str, Any]] | None, read: Callable[[dict[str, Any]], dict[str, Any] | None],
+                   expected: str) -> list[dict[str, Any]] | None:
+    """Another API's tools as chat function tools; `read` gives a tool's {"name", "description", "parameters"}
+    (None: not a kind we serve)."""
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        fn = read(t) if isinstance(t, dict) else None
+        if fn is None or not isinstance(fn.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise ValueError(f"tools: tools[{i}]: only {expected} are supported (got type {kind!r})")
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+    return out
+
+
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-               template_supports_tools: bool, model_name: str) -> ToolPlan | None:
+               auto_parser: str | None, model_name: str, parallel: bool | None = None) -> ToolPlan | None:
+    """auto_parser: the tool-call parser of free text (--tool-call-parser or the template's); None when the
+    model's template has no tool calling. parallel=False: "required" makes exactly one call."""
+    if not tools and (isinstance(tool_choice, dict) or tool_choice == "required"):
+        raise ValueError(f"tool_choice: {tool_choice!r} needs tools")
     if not tools or tool_choice == "none":
         return None
-    fns = _functions(tools)
+    fns = function_schemas(tools)
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
         if name not in fns:
             raise ValueError(f"tool_choice: names no function of tools: {tool_choice!r}")
-        return ToolPlan(_single("tools", json=fns[name]), forced=name)
+        return ToolPlan(_single("tools", json=fns[name]), NamedToolParser(fns, name))
     if tool_choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": n}, "parameters": p},
              "required": ["name", "parameters"], "additionalProperties": False} for n, p in fns.items()]}}
-        return ToolPlan(_single("tools", json=calls), required=True)
+        if parallel is False:
+            calls["maxItems"] = 1
+        return ToolPlan(_single("tools", json=calls), RequiredToolParser(fns))
     if tool_choice in (None, "auto"):
-        if not template_supports_tools:
+        if auto_parser is None:
             raise ValueError(f"tool_choice: 'auto' is not supported for model {model_name} (its chat template "
-                             "has no tool calling); use tool_choice 'required' or a named function")
-        return ToolPlan(None, auto=True)
+                             "has no tool calling and no --tool-call-parser is set); use tool_choice 'required' "
+                             "or a named function")
+        return ToolPlan(None, make_tool_parser(auto_parser, fns))
     raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}")
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+def template_supports_tools(template: str | None) -> bool:
+    return "tools" in (template or "")
 
 
-_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+def auto_tool_parser(configured: str | None, template: str | None) -> str | None:
+    """The parser for tool_choice "auto": the server's, else the one the template's format names, else Hermes
+    (the most common) for a template that renders tools; None when the template cannot take tools."""
+    if configured is not None:
+        return configured
+    if not template_supports_tools(template):
+        return None
+    return tool_parser_for_template(template) or "hermes"
 
 
-def tool_calls_of(plan: ToolPlan, text: str) -> tuple[list[dict[str, Any]], str | None]:
-    """(tool calls, remaining content) read from a finished output; no calls if the text does not parse (a
-    generation cut by max_tokens)."""
-    try:
-        if plan.forced is not None:
-            json.loads(text)
-            return [_call(plan.forced, text)], None
-        if plan.required:
-            return [_call(c["name"], c["parameters"]) for c in json.loads(text)], None
-        calls = [json.loads(m) for m in _HERMES.findall(text)]
-        calls = [_call(c["name"], c.get("arguments", {})) for c in calls]
-    except (ValueError, KeyError, TypeError):
-        return [], text
-    return calls, (_HERMES.sub("", text).strip() or None) if calls else text
-
-
-def template_supports_tools(tokenizer: Any) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
-
-
-__all__ = ["GrammarError", "ToolPlan", "plan_tools", "requested_structure", "template_supports_tools",
-           "tool_calls_of"]
+__all__ = ["GrammarError", "ToolPlan", "auto_tool_parser", "function_schemas", "function_tools", "plan_tools", "requested_structure",
+           "template_supports_tools"]
