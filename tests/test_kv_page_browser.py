@@ -8,6 +8,7 @@ import asyncio
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,13 @@ def live(tmp_path_factory):
         server.engine = engine
         yield server
     engine.shutdown()
+
+
+def on_engine(live, fn):
+    """fn(engine) on the engine thread, from a thread of its own: Playwright's sync API keeps an event loop
+    running in this one, where asyncio.run cannot start another."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, live.engine.call(fn)).result()
 
 
 def page_counts(page) -> dict:
@@ -72,7 +80,7 @@ def test_kv_page_live(live):
             page.goto(live.url + "/kv")
             idle = page_counts(page)
             assert idle["used"] == 0 and idle["free"] + idle["cached"] == NUM_BLOCKS
-            held = asyncio.run(live.engine.call(hold_shared_request))
+            held = on_engine(live, hold_shared_request)
             # the page catches up with the held state (it polls twice a second); nothing changes meanwhile
             page.wait_for_function("JSON.parse(document.body.dataset.snapshot || '{}').shared > 0", timeout=60000)
             snap = page_counts(page)
@@ -94,11 +102,11 @@ def test_kv_page_live(live):
             assert not errors, errors
         finally:
             browser.close()
-    asyncio.run(live.engine.call(lambda e: e.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED)))
+    on_engine(live, lambda e: e.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED))
     # idle again: the page and kv_cache_stats() agree exactly
-    stats = asyncio.run(live.engine.call(lambda e: e.kv_cache_stats()))
+    stats = on_engine(live, lambda e: e.kv_cache_stats())
     assert stats["num_free_blocks"] == NUM_BLOCKS
-    snap = asyncio.run(live.engine.call(kv_snapshot))
+    snap = on_engine(live, kv_snapshot)
     assert sum(1 for v in snap["cells"] if v == -2) == stats["num_cached_free_blocks"] > 0
     assert not snap["shared"]
 

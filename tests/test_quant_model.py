@@ -155,7 +155,7 @@ def test_q4_k_m_is_typed_as_llama_quantize_types_it():
 def test_vocabulary_is_padded_to_the_shape(tmp_path):
     """A shape's vocabulary larger than the embedded tokenizer's: the token list is padded with unused tokens, and
     the model loads and runs on the file."""
-    from pagedllm.model.gguf_loader import read_gguf
+    from pagedllm.model.gguf_reader import read_gguf
 
     path = str(tmp_path / "padded.gguf")
     vocab = 49152 + 48

@@ -134,7 +134,7 @@ def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> 
 def weights_per_token(model: str) -> tuple[int, int]:
     """(bytes, elements) of the weight matrices one token reads: every 2-D tensor of the file, but the token
     embedding where the file has a separate output head (one row of it is read)."""
-    from pagedllm.model.gguf_loader import read_gguf
+    from pagedllm.model.gguf_reader import read_gguf
     from pagedllm.quantization.types import BY_ID
 
     f = read_gguf(model)
