@@ -248,8 +248,7 @@ class LLMEngine:
         """schedule -> execute -> update, then the outputs of every request the step touched."""
         failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
-        prompts = len(self.scheduler.running) - decoding + len(self.scheduler.waiting)
-        out = self.scheduler.schedule(self.step_budget.prompt_budget(decoding, prompts))
+        out = self.scheduler.schedule(self.step_budget.prompt_budget(decoding))
         if self.disk_tier is not None:
             self.disk_tier.before_execute()  # before the model writes into blocks the pool just evicted
             if out.is_empty:

@@ -6,9 +6,7 @@ engine learns a step's cost online: a decode-only step costs a + b x rows (least
 steps, exponentially forgotten), and a prompt token what a step with prompt tokens took beyond its decode part.
 Each step then takes the prompt tokens that fit the target: with requests decoding, twice a decode-only step
 (so their inter-token latency at most doubles while prompts are computed; at least `min_target_s`); with none,
-`idle_target_s`. Between the two: when many prompts wait and few requests decode, the step may grow towards
-the idle target in proportion to the waiting prompts' share of all the requests (the few decoding requests
-pay a longer gap, the many waiting ones get their first token sooner; no gap exceeds the idle target).
+`idle_target_s`.
 `max_step_ms` sets the target instead; "off" keeps the fixed max_num_batched_tokens.
 """
 
@@ -65,9 +63,8 @@ class StepBudget:
         per = max(seconds - base, 0.0) / prompt_tokens
         self.token_s = per if self.token_s is None else _DECAY * self.token_s + (1 - _DECAY) * per
 
-    def prompt_budget(self, decode_rows: int, waiting_prompts: int = 0) -> int | None:
-        """Prompt tokens the next step may take (None: no limit beyond max_num_batched_tokens).
-        decode_rows: requests decoding; waiting_prompts: requests with prompt tokens left."""
+    def prompt_budget(self, decode_rows: int) -> int | None:
+        """Prompt tokens the next step may take (None: no limit beyond max_num_batched_tokens)."""
         if self.off:
             return None
         if self.token_s is None or self.token_s <= 0:
@@ -75,10 +72,6 @@ class StepBudget:
         decode_s = (self.decode.predict(decode_rows) or 0.0) if decode_rows else 0.0
         target = self.target_s
         if target is None:
-            if decode_rows and decode_s > 0:
-                share = waiting_prompts / (waiting_prompts + decode_rows)
-                target = max(2 * decode_s, self.min_target_s, share * self.idle_target_s)
-            else:
-                target = self.idle_target_s
+            target = max(2 * decode_s, self.min_target_s) if decode_rows and decode_s > 0 else self.idle_target_s
         tokens = int(max(target - decode_s, 0.0) / self.token_s)
         return max(self.min_tokens, min(self.max_tokens, tokens))
