@@ -20,11 +20,13 @@ import time
 from pagedllm.benchmarks import common
 
 
-def run(model: str | None, wl: common.Workload, dtype: str, quantization: str, max_step_ms: str) -> dict:
+def run(model: str | None, wl: common.Workload, dtype: str, quantization: str, max_step_ms: str,
+        **engine_kwargs) -> dict:
+    """engine_kwargs: further LLM() arguments (tests size the KV cache); the bench uses the server's defaults."""
     from pagedllm import LLM, SamplingParams
 
     kw = {"model": model} if model else {}
-    llm = LLM(**kw, dtype=dtype, quantization=quantization, max_step_ms=max_step_ms)
+    llm = LLM(**kw, dtype=dtype, quantization=quantization, max_step_ms=max_step_ms, **engine_kwargs)
     engine = llm.engine
 
     def one(i: int, prompt: list[int], n: int) -> dict:

@@ -3,7 +3,8 @@
 `pagedllm bench realistic --model F.gguf` or `--shape tinyllama-1.1b --type Q4_0` (the file is written once by
 `bench make-model` into the cache). Every system runs in its own processes (peak RSS is per process): a
 "single" process loads the model with a 2048-token context budget and measures load time, single-stream decode
-(8-token prompt, greedy, EOS ignored) and prefill; an "offline" process runs 32 concurrent requests (prompts of
+(8-token prompt, greedy, EOS ignored) and prefill (llama.cpp: llama-server with one slot and its own timings,
+where it was built); an "offline" process runs 32 concurrent requests (prompts of
 64-448 tokens, 128 output tokens each): pagedllm batches them, llama.cpp runs them batched too, through
 llama-server with one slot per request (`--parallel 32`, continuous batching; llama-cpp-python's one-stream API
 only where no llama-server was built, and then over the first few requests). Ratios are of numbers taken in the
@@ -98,7 +99,35 @@ def _best(f, repeats: int = 2) -> float:
     return min(times)
 
 
+def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
+    """llama.cpp's single stream through llama-server (-np 1): its sampling runs in C++ and it reports its own
+    prompt and decode timings. llama-cpp-python's generate() samples in Python over the whole vocabulary, which
+    on a 151,936-token vocabulary cost more than the decode step itself: that peer was not at its best."""
+    import httpx
+
+    from pagedllm.benchmarks.serving import LlamaServer
+
+    def completion(srv: LlamaServer, prompt: list[int], n: int) -> dict:
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
+        r = httpx.post(srv.url + "/completion", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()["timings"]
+
+    p, d = wl["decode_prompt"], wl["decode_tokens"]
+    with LlamaServer(model, threads, 1, CONTEXT) as srv:
+        completion(srv, p, 2)  # warm-up
+        decode = [completion(srv, p, 1 + d) for _ in range(2)]
+        prefill = [completion(srv, q, 1) for q in wl["prefill_prompts"]]
+        rss = srv.peak_rss_mb()
+    return {"load_s": srv.load_s, "decode_tok_s": max(t["predicted_per_second"] for t in decode),
+            "ttft_s": min(t["prompt_ms"] for t in decode) / 1e3,
+            "prefill_tok_s": max(t["prompt_per_second"] for t in prefill), "peak_rss_mb": rss,
+            "config": "llama-server -np 1"}
+
+
 def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
+    if system == "llama.cpp" and common.llama_server_binary():
+        return run_single_llama_server(model, wl, threads)
     m = _open(system, model, CONTEXT, threads, dtype)
     p, d = wl["decode_prompt"], wl["decode_tokens"]
     m.generate([p], [2])  # warm-up (kernel load, allocator)
@@ -212,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     systems = [s for s in args.systems.split(",") if s]
     if "llama.cpp" in systems and not _has_llama_cpp():
-        print("llama-cpp-python is not installed (make bench-setup): skipping llama.cpp")
+        print("neither llama-server nor llama-cpp-python is installed (make bench-setup): skipping llama.cpp")
         systems.remove("llama.cpp")
     wl = _workloads(model, args.quick)
     wl_path = common.out_path("realistic-workload", "json")
@@ -263,7 +292,7 @@ def default_dtype() -> str:
 def _has_llama_cpp() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("llama_cpp") is not None
+    return common.llama_server_binary() is not None or importlib.util.find_spec("llama_cpp") is not None
 
 
 def main(argv: list[str] | None = None) -> int:
