@@ -203,10 +203,22 @@ class Scheduler:
             budget -= 1 + len(drafts)
             i += 1
 
-        # 2. Prompts: the running ones still prefilling and the waiting ones, in prefill order; new requests are
-        # admitted unless this step preempted or a running prompt found no blocks.
+        # 2. Prompts, in prefill order. Prompts do not preempt each other, unless every running request is a
+        # prompt and none found blocks (they hold the pool between them): then the last in line gives its blocks
+        # back, as it would to a decode, until one can go on.
         if prefill_budget is not None and self.config.enable_chunked_prefill:
             budget = min(budget, max(1, prefill_budget))
+        self._schedule_prompts(out, budget)
+        while not out.scheduled and len(self.running) > 1:
+            self._preempt(self.running.pop(), out)
+            self._schedule_prompts(out, budget)
+        for s in out.scheduled:  # after every allocation of the step (a preemption frees, CoW replaces blocks)
+            s.block_ids = self.kv.get_group_block_ids(s.request)
+        return out
+
+    def _schedule_prompts(self, out: SchedulerOutput, budget: int) -> None:
+        """The running prompts and the waiting ones, in prefill order, within `budget` tokens; new requests are
+        admitted unless this step preempted or a running prompt found no blocks."""
         blocked = bool(out.preempted)
         for req in self._prefill_order():
             if budget <= 0:
@@ -239,9 +251,6 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, [], samples))
             out.block_copies.extend(copies)
             budget -= num_new
-        for s in out.scheduled:  # after every allocation of the step (a preemption frees, CoW replaces blocks)
-            s.block_ids = self.kv.get_group_block_ids(s.request)
-        return out
 
     def _prefill_order(self) -> list[Request]:
         """Prompts to compute, in the order they get the step's budget: first those skipped max_prefill_skips
