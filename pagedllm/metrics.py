@@ -190,7 +190,7 @@ def startup_summary(engine: object) -> str:
         per_request = kv.request_blocks(max_len, 1)  # decoding (a prefill chunk holds more for a while)
     groups = getattr(engine, "kv_groups", None)
     layout = f", {groups.num_groups} KV groups of {groups.group_size} layers" if groups and groups.is_hybrid else ""
-    return (f"model {engine.model_name}, dtype {args.dtype}, quantization {getattr(args, 'quantization', 'none')}, "  # type: ignore[attr-defined]
+    return (f"model {engine.model_name}, dtype {str(engine.dtype).removeprefix('torch.')}, quantization {getattr(args, 'quantization', 'none')}, "  # type: ignore[attr-defined]
             f"KV cache {kv.num_blocks} blocks x {kv.block_size} tokens ({pool_bytes / 2**20:.0f} MiB, KV dtype "
             f"{kv_dtype}, {engine.kv_bytes_per_token()} bytes per token{layout}), max model len {max_len}, "  # type: ignore[attr-defined]
             f"max concurrency at full length {kv.num_blocks / per_request:.2f}x, prefix caching "

@@ -331,7 +331,7 @@ def pyplot():
 
 def add_common_args(p: argparse.ArgumentParser, quick_help: str = "a small run (< 60 s) for smoke tests") -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M GGUF)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])  # (the HF peers take it too)
     add_quantization_arg(p)
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     p.add_argument("--seed", type=int, default=0)

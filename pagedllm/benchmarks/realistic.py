@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from pagedllm.benchmarks import common
+from pagedllm.dtypes import auto_dtype
 
 SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"}, "llama.cpp": {}}
 CONTEXT = 2048  # tokens of KV cache for the single-stream process (llama.cpp's n_ctx, pagedllm's blocks)
@@ -219,7 +220,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--phases", default="single,offline")
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
-    p.add_argument("--dtype", default=default_dtype(), choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default=auto_dtype(quantized=True), choices=["float32", "bfloat16"],
                    help="pagedllm's activations (default: bfloat16 where the CPU has avx512_bf16, else float32)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and requests (checks the command runs)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -280,13 +281,6 @@ def _ratios(rows: list[dict]) -> list[dict]:
                     ("decode_tok_s", "prefill_tok_s", "offline_out_tok_s", "peak_rss_mb", "load_s")
                     if k in ours and k in ref and ref[k]}})
     return out
-
-
-def default_dtype() -> str:
-    """bf16 activations only where the CPU computes in bf16 (avx512_bf16); emulated bf16 is slower than fp32."""
-    from pagedllm.kernels.build import cpu_flags
-
-    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
 
 
 def _has_llama_cpp() -> bool:

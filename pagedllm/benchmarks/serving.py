@@ -254,6 +254,8 @@ def summarise(recs: list[RequestRecord], elapsed: float) -> dict:
 # ---- the benchmark -----------------------------------------------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
     common.add_common_args(p, "16 requests at 2 rates, short outputs, pagedllm only unless --systems")
+    # the server as a user starts it: its own dtype choice for this CPU and file (no HF peer here)
+    p.set_defaults(dtype="auto")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                    help="requests per second (default 0.25,0.5,1,2,4)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 200)")

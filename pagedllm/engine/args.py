@@ -40,7 +40,7 @@ def parse_step_ms(value: float | str) -> float | str:
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 where the CPU computes it, else fp32 for weights run as stored (dtypes.auto_dtype)
     block_size: int = 16
     kv_cache_memory: str | int = "2GiB"
     num_kv_blocks: int | None = None
@@ -117,7 +117,8 @@ class EngineArgs:
             g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
         g.add_argument("--model", default=None, help=model_help)
         g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES),
-                       help="compute dtype of weights, activations and KV cache")
+                       help="compute dtype of weights, activations and KV cache (auto: bfloat16 where the CPU has "
+                            "avx512_bf16/AMX or the weights are dense, else float32)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help="memory for the KV cache, e.g. 2GiB (sizes the block pool)")

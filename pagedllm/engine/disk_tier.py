@@ -62,7 +62,7 @@ def fingerprint_facts(engine: Any) -> dict:
     except Exception:  # no compiler: the portable torch paths
         variant = "none"
     return {"format": VERSION, "model": model_identity(str(engine.model_path)), "num_layers": cfg.num_layers,
-            "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": args.dtype,
+            "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": str(engine.dtype),
             "quantization": args.quantization, "kv_cache_dtype": engine.kv_cache_dtype_name(),
             "block_size": args.block_size, "kv_groups": [[list(g.layers), g.window] for g in layout.groups],
             "batch_invariant": args.batch_invariant, "attention_backend": engine.runner.backend.name,

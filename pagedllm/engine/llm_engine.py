@@ -19,7 +19,6 @@ from pagedllm.core.kv_groups import plan_kv_groups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.step import RunnerOutput, SamplerOutput
-from pagedllm.dtypes import resolve_dtype
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.disk_tier import make_disk_tier
@@ -54,9 +53,9 @@ def no_cache_salt(request_id: str, cache_salt: str | None) -> str:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
-        dtype = resolve_dtype(args.dtype)
         self.model_path = resolve_model_path(args.model)
-        loaded = load_model(self.model_path, dtype, quantization=args.quantization)
+        loaded = load_model(self.model_path, args.dtype, quantization=args.quantization)
+        self.dtype = dtype = loaded.dtype  # "auto" is decided by the loader (it knows the weight format)
         self.args = args
         self.generation_defaults = generation_defaults(self.model_path, args.generation_config,
                                                        loaded.sampling_defaults)

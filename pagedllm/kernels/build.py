@@ -58,6 +58,11 @@ VARIANTS: list[tuple[str, tuple[str, ...], list[str]]] = [
 VARIANT_ENV = "PAGEDLLM_KERNEL_VARIANT"
 
 
+def native_bf16() -> bool:
+    """Whether the kernels this process loads compute bf16 in hardware (else bf16 is converted in software)."""
+    return "bf16" in build_variant(forced=os.environ.get(VARIANT_ENV))[0]
+
+
 def build_variant(flags: set[str] | None = None, forced: str | None = None) -> tuple[str, list[str]]:
     """(variant name, compiler ISA flags): the best variant this CPU runs, or `forced` (load_ops passes
     $PAGEDLLM_KERNEL_VARIANT: a lesser build on a better CPU, which is how the avx2 and portable builds are tested)."""

@@ -149,7 +149,7 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
     from pagedllm.model import hf_loader
 
     cfg, _ = hf_loader.read_hf_config(path)
-    tdtype = resolve_dtype(dtype)
+    tdtype = resolve_dtype(dtype, quantized=quantization == "int8")
     table = registry.spec(cfg.architecture).hf_names
     method = _quantized_method(quantize_floats=True) if quantization == "int8" else None
     model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend, method, path)
@@ -171,9 +171,9 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
     try:
         cfg = config_from_gguf(f)
         sampling = gguf_sampling_defaults(f)
-        tdtype = resolve_dtype(dtype)
         table = registry.spec(cfg.architecture).gguf_names
         method = _quantized_method(quantize_floats=False) if quantization != "none" else None
+        tdtype = resolve_dtype(dtype, quantized=method is not None)
         weights = gguf_loader.iter_gguf_weights(f, cfg, as_stored=method is not None)
         model = _build(cfg, tdtype, weights, table, attention_backend, method, path)
         tok = tokenization.load_tokenizer(path, f) if load_tokenizer else None
