@@ -1,5 +1,6 @@
 """The scheduler's policy for the first token, without a model: prompts closest to done get each step's prefill
-budget first, decodes run every step, a passed-over prompt is served within a bounded number of steps, and the
+budget first, decodes run every step, a passed-over prompt is served once the work done since it arrived makes up
+its extra length, and the
 priority policy serves lower priority values first. (Liveness under every policy and budget is the property test
 in test_scheduler.py.)"""
 
@@ -68,19 +69,23 @@ def test_decodes_run_every_step_while_prompts_wait():
     assert_no_leaks(sched)
 
 
-def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+@pytest.mark.parametrize("short", [1, 6, 13])
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(short):
+    """Shorter prompts keep arriving, one per step, each filling the step's budget: the long one waits only until
+    the work done since it arrived makes up the difference in length, and then every newcomer waits for it."""
     sched = create_scheduler(num_blocks=400, max_num_batched_tokens=64, prefill_order="shortest")
-    sched.config.max_prefill_skips = 5
     d = Driver(sched)
     long_req = Request("long", list(range(40)))
     d.add(long_req, 2)
-    first = None
+    steps_with_long = []
     for step in range(60):
-        d.add(Request(f"s{step}", [9000 + step * 10 + t for t in range(6)]), 1)  # always a shorter prompt
-        out = d.step(prefill_budget=6)
-        if any(s.request is long_req and s.num_new_tokens for s in out.scheduled) and first is None:
-            first = step
-    assert first is not None and first <= 5 + 1  # served once skipped max_prefill_skips times
+        d.add(Request(f"s{step}", [9000 + step * 100 + t for t in range(short)]), 1)  # always a shorter prompt
+        out = d.step(prefill_budget=short)
+        if any(s.request is long_req and s.num_new_tokens for s in out.scheduled):
+            steps_with_long.append(step)
+    first = -(-(40 - short) // short)  # the first step at which 40 - step x short < short
+    assert steps_with_long[0] == first
+    assert steps_with_long == list(range(first, first + len(steps_with_long)))  # then every step until done
     d.run()
     assert long_req.num_output_tokens == 2
     assert_no_leaks(sched)

@@ -53,7 +53,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     priority: int = 0  # the priority scheduling policy serves lower values first
-    prefill_skips: int = 0  # steps its prompt waited for budget or blocks in a row (the scheduler's age bound)
+    prompt_work_at_arrival: int = 0  # the scheduler's count of prompt tokens computed when this one arrived (its age)
     spec_token_ids: list[int] = field(default_factory=list)
     # How the sequence samples and ends. The engine sets these; the runner samples with `sampling_params` and
     # `seed`, and Scheduler.update_from_output appends the sampled tokens and ends the sequence on them.

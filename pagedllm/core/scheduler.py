@@ -42,7 +42,6 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting a new request
     policy: str = "fcfs"  # or "priority": Request.priority first (lower first), as vLLM's --scheduling-policy
     prefill_order: str = "shortest"  # prompts closest to done get the budget first; "fcfs": arrival order
-    max_prefill_skips: int = 16  # a prompt passed over this many steps goes first (oldest first)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,6 +104,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._prompt_work = 0  # prompt tokens scheduled so far: the clock prompts age by (not wall time)
         self.kv_tier = None  # core/kv_tier.TierCoordinator when a disk tier backs the prefix cache
         self._watermark_blocks = max(1, math.ceil(config.watermark * kv_cache_manager.num_blocks))
 
@@ -153,6 +153,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens)
         request.status = RequestStatus.WAITING
+        request.prompt_work_at_arrival = self._prompt_work
         self.waiting.append(request)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -222,19 +223,16 @@ class Scheduler:
         blocked = bool(out.preempted)
         for req in self._prefill_order():
             if budget <= 0:
-                req.prefill_skips += 1
                 continue
             if req.status == RequestStatus.RUNNING:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 copies = self.kv.allocate_slots(req, num_new)
                 if copies is None:  # no preemption here: decodes already scheduled hold what it could take
                     blocked = True
-                    req.prefill_skips += 1
                     continue
                 samples = req.num_computed_tokens + num_new == req.num_tokens
             else:
                 if blocked or len(self.running) >= self.config.max_num_seqs:
-                    req.prefill_skips += 1
                     continue
                 loading = self._load_from_tier(req)
                 if loading is not None:  # off the queue while its prefix loads; or no room for it yet
@@ -243,36 +241,33 @@ class Scheduler:
                 admitted = self._admit(req, budget)
                 if admitted is None:
                     blocked = True
-                    req.prefill_skips += 1
                     continue
                 num_new, copies = admitted
                 samples = req.num_computed_tokens + num_new == req.num_tokens
-            req.prefill_skips = 0
+            self._prompt_work += num_new
             out.scheduled.append(ScheduledRequest(req, num_new, [], samples))
             out.block_copies.extend(copies)
             budget -= num_new
 
     def _prefill_order(self) -> list[Request]:
-        """Prompts to compute, in the order they get the step's budget: first those skipped max_prefill_skips
-        times (oldest first: no prompt starves), then by priority (the priority policy), then the fewest prompt
-        tokens left (the first token comes soonest on average; "fcfs": arrival order), then arrival."""
+        """Prompts to compute, in the order they get the step's budget: by priority (the priority policy), then
+        the fewest prompt tokens left less the prompt tokens computed since the request arrived (the first token
+        comes soonest on average, and a newcomer overtakes a waiting prompt only if it is shorter by more than the
+        work done while that one waited: no prompt starves; "fcfs": arrival order), then arrival."""
         cfg = self.config
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         waiting = sorted(self.waiting, key=lambda r: (r.priority if cfg.policy == "priority" else 0, r.arrival_time))
         prompts += waiting[:_MAX_PREFILL_CANDIDATES]
 
-        def left(r: Request) -> int:
-            if r.status == RequestStatus.RUNNING:
-                return r.num_tokens - r.num_computed_tokens
-            return r.num_tokens - self.kv.get_computed_blocks(r)[1]
+        def aged_left(r: Request) -> int:
+            if cfg.prefill_order != "shortest":
+                return 0
+            left = r.num_tokens - (r.num_computed_tokens if r.status == RequestStatus.RUNNING
+                                   else self.kv.get_computed_blocks(r)[1])
+            return left - (self._prompt_work - r.prompt_work_at_arrival)
 
-        def key(r: Request) -> tuple:
-            starving = r.prefill_skips >= cfg.max_prefill_skips
-            return (not starving, r.arrival_time if starving else 0.0,
-                    r.priority if cfg.policy == "priority" else 0,
-                    left(r) if cfg.prefill_order == "shortest" else 0, r.arrival_time)
-
-        return sorted(prompts, key=key)
+        return sorted(prompts, key=lambda r: (r.priority if cfg.policy == "priority" else 0, aged_left(r),
+                                              r.arrival_time))
 
     def _load_from_tier(self, req: Request) -> bool | None:
         """The disk tier's answer for a waiting request (core/kv_tier.py): None, admit it as usual; True, a load of
