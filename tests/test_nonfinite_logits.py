@@ -21,16 +21,18 @@ def nan_dir(tmp_path_factory):
 def test_poisoned_requests_fail_alone(nan_dir, poison):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    bad_token = 7
     prompts = [[rng.randrange(10, 300) for _ in range(rng.randint(3, 40))] for _ in range(12)]
     poisoned = set(rng.sample(range(len(prompts)), 4))
-    for i in poisoned:  # the token that overflows sits anywhere in the prompt
-        prompts[i].insert(rng.randrange(len(prompts[i]) + 1), bad_token)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=rng.randint(1, 12),
                              ignore_eos=True) for i in range(len(prompts))]
     llm = make_llm(nan_dir, max_num_batched_tokens=64)  # chunked prefill: poison and clean share steps
     clean = [p for i, p in enumerate(prompts) if i not in poisoned]
     expected = llm.generate(clean, [params[i] for i in range(len(prompts)) if i not in poisoned], use_tqdm=False)
+    # the poisoned token: one no clean request generates (a clean request sampling it would rightly fail too)
+    generated = {t for out in expected for t in out.outputs[0].token_ids}
+    bad_token = next(t for t in range(10) if t not in generated)
+    for i in poisoned:  # the token that overflows sits anywhere in the prompt
+        prompts[i].insert(rng.randrange(len(prompts[i]) + 1), bad_token)
     with torch.no_grad():
         llm.engine.runner.model.embed[bad_token] = poison
     with pytest.raises(RequestFailedError, match="4 of 12 requests failed") as failed:  # offline: raised, with

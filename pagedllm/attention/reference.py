@@ -119,6 +119,10 @@ class ReferenceBackend:
         mask = kpos < seq_lens[:, None]
         if window is not None:  # keys outside the window are masked; their (maybe freed) blocks read as padding
             mask &= kpos >= seq_lens[:, None] - window
+        # a masked key's weight is 0, but 0 x NaN is NaN: the padding (another request's freed block, maybe
+        # poisoned) is zeroed so that it cannot reach this request's output
+        valid = mask[:, :, None, None]
+        k, v = k.where(valid, 0.0), v.where(valid, 0.0)
         mask = mask[:, None, None, :]
         qh = q[rows][:, :, None, :]  # [R, Hq, 1, D]
         o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
