@@ -85,14 +85,7 @@ class _Server:
         raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
 
     def peak_rss_mb(self) -> float:
-        try:
-            with open(f"/proc/{self.proc.pid}/status", encoding="utf-8") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return float("nan")
+        return common.peak_rss_mb(self.proc.pid)
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
