@@ -14,9 +14,8 @@ DTYPES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "auto": 
 
 def auto_dtype(quantized: bool) -> str:
     """The faster compute dtype here. bf16 where the kernels compute in bf16 (avx512_bf16 / AMX). Without it bf16
-    is emulated: dense weights still gain more from half the bytes than they lose (the embedded model dequantized,
-    Ice Lake: 19 vs 11 tok/s decode), but weights run as stored read the same bytes either way and fp32 activations
-    are faster (79 vs 31 tok/s; a 1.5B Q4_K_M file 12.1 vs 8.1)."""
+    is emulated: dense weights still gain more from half the bytes than they lose, but weights run as stored read
+    the same bytes either way and fp32 activations are faster (BENCHMARKS.md has the measurements)."""
     from pagedllm.kernels.build import native_bf16
 
     return "bfloat16" if native_bf16() or not quantized else "float32"

@@ -20,6 +20,7 @@ def nan_dir(tmp_path_factory):
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_poisoned_requests_fail_alone(nan_dir, poison):
     seed = random.randrange(1 << 30)
+    print(f"seed {seed}")  # shown if the test fails
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 300) for _ in range(rng.randint(3, 40))] for _ in range(12)]
     poisoned = set(rng.sample(range(len(prompts)), 4))

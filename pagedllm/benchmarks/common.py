@@ -174,7 +174,7 @@ def environment(threads: int = DEFAULT_THREADS) -> dict:
 def peak_rss_mb(pid: int | str = "self") -> float:
     """A process's peak resident set size. Linux: VmHWM, the high-water mark of its program's memory. Not
     ru_maxrss, which survives exec: a worker started by a bench driver reported the driver's peak (its tokenizer
-    and bandwidth buffer) whenever that was higher than its own (the 0.5B single stream: 1,378 MB for ~770)."""
+    and bandwidth buffer) whenever that was higher than its own."""
     try:
         with open(f"/proc/{pid}/status", encoding="utf-8") as f:
             for line in f:

@@ -107,7 +107,7 @@ class AsyncEngine:
             return
         # The engine thread and the event loop share the GIL: when the loop holds it (streaming, JSON), the engine
         # waits for the interpreter's switch interval between kernels, 5 ms by default: a decode step's worth on
-        # a small model. 0.5 ms keeps the waits short (a c=1 stream's inter-token latency was 1.17x offline's).
+        # a small model. 0.5 ms keeps the waits short (BENCHMARKS.md, serving under load: one user).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine-loop", daemon=True)
         self._thread.start()
