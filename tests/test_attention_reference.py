@@ -77,7 +77,8 @@ def _dense_oracle(q, k_full, v_full, scale):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_reference_backend_vs_dense_sdpa(dtype, tol, hq, hkv, seed):
+@pytest.mark.parametrize("garbage", ["random", "nan"])  # nan: a failed request's freed blocks must not leak in
+def test_reference_backend_vs_dense_sdpa(dtype, tol, hq, hkv, seed, garbage):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, nblocks, d = 4, 200, 16
@@ -85,8 +86,10 @@ def test_reference_backend_vs_dense_sdpa(dtype, tol, hq, hkv, seed):
     tables.insert(3, [])  # a request with nothing to compute this step
     computed.insert(3, 0)
     new.insert(3, 0)
-    k_cache = torch.randn(nblocks, bs, hkv, d).to(dtype)  # random garbage outside each request's slots
+    k_cache = torch.randn(nblocks, bs, hkv, d).to(dtype)  # garbage outside each request's slots
     v_cache = torch.randn(nblocks, bs, hkv, d).to(dtype)
+    if garbage == "nan":
+        k_cache.fill_(float("nan")), v_cache.fill_(float("nan"))
     # full K/V of each request: the cached prefix goes into the pool now, the new part through forward()
     full_k = [torch.randn(c + n, hkv, d).to(dtype) for c, n in zip(computed, new, strict=True)]
     full_v = [torch.randn(c + n, hkv, d).to(dtype) for c, n in zip(computed, new, strict=True)]
