@@ -81,7 +81,9 @@ $(VENV)/bin/llama-server: $(VENV)/.llama-cpp-python
 	cmake -S $(LLAMA_SRC) -B $(BENCH_BUILD)/llama-server -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 		-DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMA_ISA)
-	cmake --build $(BENCH_BUILD)/llama-server --target llama-server -j $(JOBS)
+	cmake --build $(BENCH_BUILD)/llama-server --target llama-server llama-perplexity llama-quantize llama-tokenize -j $(JOBS)
+	cp $(BENCH_BUILD)/llama-server/bin/llama-perplexity $(BENCH_BUILD)/llama-server/bin/llama-quantize \
+		$(BENCH_BUILD)/llama-server/bin/llama-tokenize $(VENV)/bin/
 	cp $(BENCH_BUILD)/llama-server/bin/llama-server $@
 
 lint: install

@@ -18,7 +18,7 @@ DEFAULT_PROMPTS = [
 ]
 BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving",
               "router_sim", "soak", "spec", "realistic", "make-model", "structured", "membw", "quant", "kv-store",
-              "fuzz"]
+              "fuzz", "perplexity"]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -277,12 +277,24 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) {
     const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
-    __m512i part[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // elements 0..15, 16..31
-    for (int s = 0; s < 8; ++s) {
-      int32_t four;
-      std::memcpy(&four, a + 4 * s, 4);
-      part[s / 4] = _mm512_dpbusd_epi32(part[s / 4], c[s], _mm512_set1_epi32(four));
+    // The dots of elements 0..15 and 16..31 in kChains / 2 chains each. A few rows (decode) use four chains of two
+    // vpdpbusd: two chains of four left one row's block latency-bound. Many rows keep two, which already overlap
+    // across rows and need fewer registers. Integer sums are exact: the split changes no result.
+    constexpr int kChains = MR <= 2 ? 4 : 2, kDots = 8 / kChains;
+    __m512i chain[kChains];
+    for (int q = 0; q < kChains; ++q) {
+      chain[q] = _mm512_setzero_si512();
+      for (int s = kDots * q; s < kDots * (q + 1); ++s) {
+        int32_t four;
+        std::memcpy(&four, a + 4 * s, 4);
+        chain[q] = _mm512_dpbusd_epi32(chain[q], c[s], _mm512_set1_epi32(four));
+      }
     }
+    __m512i part[2];
+    if constexpr (kChains == 4)
+      part[0] = _mm512_add_epi32(chain[0], chain[1]), part[1] = _mm512_add_epi32(chain[2], chain[3]);
+    else
+      part[0] = chain[0], part[1] = chain[1];
     const int64_t b = ((m0 + j) * A.K + k) / 32;
     const __m512 da = _mm512_set1_ps(A.d[b]);
     if constexpr (H == 1) {
