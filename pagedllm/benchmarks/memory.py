@@ -119,16 +119,17 @@ def measure(args: argparse.Namespace) -> dict:
           f"x{ratio['mean_running_x']:.2f}, throughput x{ratio['throughput_x']:.2f}; waste "
           f"{ratio['paged_waste_pct']:.1f}% vs {ratio['contiguous_waste_pct']:.1f}% "
           f"(targets: >= 2.5x concurrency, < 4% waste)")
-    print(common.table(sweep, cols, title="paged block-size sweep (same slot budget)"))
-    best = max(sweep, key=lambda r: r["out_tok_per_s"])
-    print(f"fastest block size: {best['block_size']} ({best['out_tok_per_s']:.1f} out tok/s, "
-          f"waste {best['waste_pct']:.1f}%)")
+    best = max(sweep, key=lambda r: r["out_tok_per_s"]) if sweep else None  # (--block-sizes '': no sweep)
+    if best:
+        print(common.table(sweep, cols, title="paged block-size sweep (same slot budget)"))
+        print(f"fastest block size: {best['block_size']} ({best['out_tok_per_s']:.1f} out tok/s, "
+              f"waste {best['waste_pct']:.1f}%)")
     kv_dtypes = compare_kv_dtypes(wl, args, paged)
     print(f"total {time.perf_counter() - t0:.0f}s")
     payload = {"bench": "memory", "env": common.environment(args.threads), "workload": wl.summary(),
                "kv_budget_tokens": args.kv_budget_tokens, "max_model_len": args.max_model_len,
                "compare": compare, "ratios": ratio, "block_size_sweep": sweep,
-               "fastest_block_size": best["block_size"], "kv_dtypes": kv_dtypes}
+               "fastest_block_size": best["block_size"] if best else None, "kv_dtypes": kv_dtypes}
     fig = _plot(compare, sweep)
     jp, pp = common.save("memory" + args.tag, payload, fig, args.out_dir)
     print(f"wrote {jp}" + (f" and {pp}" if pp else ""))

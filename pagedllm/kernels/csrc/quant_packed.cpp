@@ -73,11 +73,12 @@ void place_codes(const uint8_t* codes, int64_t row, uint8_t* blk) {
     return;
   } else {
     uint8_t plane[16];
-    for (int e = 0; e < 16; ++e) plane[e] = (codes[e] & 15) | ((codes[e + 16] & 15) << 4);
+    for (int e = 0; e < 16; e += 8)
+      store_u64(plane + e, (load_u64(codes + e) & kLowNibbles) | (load_u64(codes + e + 16) & kLowNibbles) << 4);
     for (int j = 0; j < 4; ++j) std::memcpy(blk + 64 * j + 4 * row, plane + 4 * j, 4);
     if constexpr (C == Codes::k5) {
       uint32_t fifth = 0;  // bit e: element e's
-      for (int e = 0; e < 32; ++e) fifth |= static_cast<uint32_t>((codes[e] >> 4) & 1) << e;
+      for (int e = 0; e < 32; e += 8) fifth |= gather_bits(load_u64(codes + e) >> 4) << e;
       for (int s = 0; s < 8; ++s)  // the group's unit was zeroed first
         blk[256 + 8 * s + row / 2] |= ((fifth >> (4 * s)) & 15) << (4 * (row % 2));
     } else if constexpr (C == Codes::k6) {

@@ -69,9 +69,38 @@ inline uint16_t u16_at(const uint8_t* p) {
   return h;
 }
 
+// Byte-parallel helpers for unpacking at load (eight codes per 64-bit word; the packing loop is most of a warm
+// load). Little-endian: byte i of a word is element i.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the GGUF block helpers assume a little-endian CPU");
+constexpr uint64_t kLowNibbles = 0x0f0f0f0f0f0f0f0full, kByteOnes = 0x0101010101010101ull;
+
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+inline void store_u64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+
+// bit i of b -> byte i of the word (0 or 1)
+struct SpreadBits {
+  uint64_t v[256];
+  constexpr SpreadBits() : v() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 8; ++i) v[b] |= static_cast<uint64_t>((b >> i) & 1) << (8 * i);
+  }
+};
+inline constexpr SpreadBits kSpreadBits{};
+
+// the low bit of byte i -> bit i (the multiply moves each to the top byte without carries)
+inline uint32_t gather_bits(uint64_t w) { return static_cast<uint32_t>(((w & kByteOnes) * 0x0102040810204080ull) >> 56); }
+
 // 16 bytes: low nibbles to codes[0..16), high nibbles to codes[16..32) (the 32-element layout of Q4_0 and kin).
 inline void nibbles32(const uint8_t* qs, uint8_t* codes) {
-  for (int i = 0; i < 16; ++i) codes[i] = qs[i] & 15, codes[i + 16] = qs[i] >> 4;
+  for (int i = 0; i < 16; i += 8) {
+    const uint64_t q = load_u64(qs + i);
+    store_u64(codes + i, q & kLowNibbles), store_u64(codes + i + 16, (q >> 4) & kLowNibbles);
+  }
 }
 
 // K-quants' 12-byte packing of eight 6-bit scales and mins (ggml's get_scale_min_k4): sub-block j's codes.
@@ -87,7 +116,10 @@ inline void k_scale_min_codes(const uint8_t* s, int j, uint8_t* scale, uint8_t* 
 // Q4_K and Q5_K: 64-element chunk c takes 32 quant bytes; low nibbles are sub-block 2c, high nibbles 2c + 1.
 inline void k_nibbles(const uint8_t* qs, uint8_t* codes) {
   for (int c = 0; c < 4; ++c)
-    for (int l = 0; l < 32; ++l) codes[64 * c + l] = qs[32 * c + l] & 15, codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    for (int l = 0; l < 32; l += 8) {
+      const uint64_t q = load_u64(qs + 32 * c + l);
+      store_u64(codes + 64 * c + l, q & kLowNibbles), store_u64(codes + 64 * c + 32 + l, (q >> 4) & kLowNibbles);
+    }
 }
 
 template <int64_t T>
@@ -119,7 +151,7 @@ inline void q5_codes(const uint8_t* qh, const uint8_t* qs, uint8_t* codes) {
   uint32_t h;
   std::memcpy(&h, qh, 4);
   nibbles32(qs, codes);
-  for (int i = 0; i < 32; ++i) codes[i] |= ((h >> i) & 1) << 4;
+  for (int i = 0; i < 32; i += 8) store_u64(codes + i, load_u64(codes + i) | kSpreadBits.v[(h >> i) & 255] << 4);
 }
 
 template <>
@@ -219,7 +251,8 @@ struct Traits<kQ5_K> : KScaleMin {
     k_nibbles(b + 48, codes);
     const uint8_t* qh = b + 16;  // bit 2c of qh[l]: element l of sub-block 2c; bit 2c + 1: of sub-block 2c + 1
     for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 32; ++l) codes[32 * j + l] |= ((qh[l] >> j) & 1) << 4;
+      for (int l = 0; l < 32; l += 8)
+        store_u64(codes + 32 * j + l, load_u64(codes + 32 * j + l) | ((load_u64(qh + l) >> j) & kByteOnes) << 4);
   }
 };
 
