@@ -119,18 +119,20 @@ class LlamaServer(_Server):
     # cache_prompt off: no slot reuses a previous prompt's KV (our prompts never repeat anyway)
     extra_body = {"cache_prompt": False}
 
-    def __init__(self, model: str | None, threads: int, parallel: int, ctx_per_slot: int = 1024) -> None:
+    def __init__(self, model: str | None, threads: int, parallel: int, ctx_per_slot: int = 1024,
+                 extra_args: list[str] | None = None) -> None:
         super().__init__()
         self.exe = common.llama_server_binary()
         if not self.exe:
             raise FileNotFoundError("llama-server not found: run `make bench-setup`")
         self.model = model or common.default_model_path()
         self.threads, self.parallel, self.ctx_per_slot = threads, parallel, ctx_per_slot
+        self.extra_args = extra_args or []
 
     def command(self) -> list[str]:
         return [self.exe, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.parallel),
-                "-c", str(self.parallel * self.ctx_per_slot), "-cb", "--no-webui"]
+                "-c", str(self.parallel * self.ctx_per_slot), "-cb", "--no-webui", *self.extra_args]
 
 
 # ---- the client --------------------------------------------------------------------------------------

@@ -61,7 +61,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup", type=common.int_range, default=(2, 4), help="n-gram lengths 'min,max'")
     p.add_argument("--output-len", type=int, default=None, help="tokens per stream (default 256; --quick 48)")
     p.add_argument("--batch", type=int, default=None, help="requests of the batch workload (default 64)")
-    p.set_defaults(quantization="auto")  # the engine's default: both engines run the same weights
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run the grounded and open streams on llama-server, plain and with its n-gram "
+                        "prompt lookup (--spec-type ngram-simple), on the same token ids")
+    p.add_argument("--llama-spec-args", default="--spec-type ngram-simple",
+                   help="llama-server's speculative options for --llama-cpp")
+    p.set_defaults(quantization="auto", dtype="auto")  # the engine's defaults: both engines run the same weights
 
 
 def _run(llm, prompts: list[str], params) -> tuple[float, float, list[str], int]:
@@ -72,6 +77,31 @@ def _run(llm, prompts: list[str], params) -> tuple[float, float, list[str], int]
     elapsed = time.perf_counter() - t0
     decoding = max(o.metrics.last_token_time for o in outs) - min(o.metrics.first_token_time for o in outs)
     return elapsed, decoding, [o.outputs[0].text for o in outs], sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def llama_cpp_streams(model: str | None, streams: dict[str, list[int]], olen: int, threads: int, spec_args: str,
+                      repeats: int) -> list[dict]:
+    """Each stream on llama-server (one slot), plain and with its speculation: decode tok/s from its own timings
+    (the prompt's prefill left out, as in the decode columns above), median over repeats."""
+    import httpx
+
+    from pagedllm.benchmarks.serving import LlamaServer
+
+    rates: dict[tuple[str, str], list[float]] = {}
+    texts: dict[tuple[str, str], str] = {}
+    for mode, extra in (("plain", []), ("spec", spec_args.split())):
+        with LlamaServer(model, threads, 1, 4096, extra) as srv:
+            for name, prompt in streams.items():
+                for _ in range(max(1, repeats)):
+                    body = {"prompt": prompt, "n_predict": olen, "temperature": 0.0, "cache_prompt": False}
+                    r = httpx.post(srv.url + "/completion", json=body, timeout=1200)
+                    r.raise_for_status()
+                    out = r.json()
+                    rates.setdefault((name, mode), []).append(out["timings"]["predicted_per_second"])
+                    texts[(name, mode)] = out["content"]
+    return [{"workload": name, "llama_plain_decode_tok_s": statistics.median(rates[(name, "plain")]),
+             "llama_spec_decode_tok_s": statistics.median(rates[(name, "spec")]),
+             "llama_same": texts[(name, "plain")] == texts[(name, "spec")]} for name in streams]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -117,6 +147,17 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"{name}: plain {plain_tps:.1f} tok/s, n-gram {spec_tps:.1f} tok/s", file=sys.stderr, flush=True)
     print(common.table(rows, title=f"speculative decoding, n-gram k={args.k} lookup {args.prompt_lookup}, "
                                    f"{olen} output tokens, greedy"))
+    if args.llama_cpp:
+        tok = plain.get_tokenizer()
+        streams = {name: tok.encode(workloads[name][0], add_special_tokens=False) for name in ("grounded", "open")}
+        peers = llama_cpp_streams(args.model, streams, olen, args.threads, args.llama_spec_args, args.repeats)
+        for peer in peers:
+            row = next(r for r in rows if r["workload"] == peer["workload"])
+            row.update(peer, spec_vs_llama_spec=row["spec_decode_tok_s"] / peer["llama_spec_decode_tok_s"])
+        print(common.table([{k: r.get(k) for k in ("workload", "spec_decode_tok_s", "llama_plain_decode_tok_s",
+                                                  "llama_spec_decode_tok_s", "spec_vs_llama_spec", "llama_same")}
+                            for r in rows if "llama_same" in r],
+                           title=f"pagedllm n-gram vs llama-server {args.llama_spec_args} (decode tok/s, one stream)"))
     payload = {"bench": "spec", "env": common.environment(args.threads), "speculative_config": spec,
                "output_len": olen, "results": rows}
     jp, _ = common.save("spec" + args.tag, payload, None, args.out_dir)
