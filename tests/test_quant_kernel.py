@@ -90,6 +90,19 @@ def test_rows_are_batch_invariant(qtype, packed):
     assert torch.equal(full32.bfloat16(), full)
 
 
+@pytest.mark.parametrize("qtype", PACKED)
+def test_rows_past_the_row_chunk_are_batch_invariant(qtype):
+    """A long prompt's rows go through the packed GEMM in chunks of rows (quant_packed.cpp's kRowChunk): rows on
+    either side of a chunk boundary and in the last, partial tile equal the same rows computed alone."""
+    k = _cols(qtype)
+    w = _weight(qtype, 32, k, seed=8, packed=True)
+    torch.manual_seed(2)
+    x = torch.randn(141, k)
+    full = w.matmul(x)
+    for i in (0, 127, 128, 135, 136, 140):
+        assert torch.equal(w.matmul(x[i:i + 1].contiguous())[0], full[i])
+
+
 def test_writes_into_a_column_slice():
     w = _weight("Q8_0", 24, 256, seed=3)
     x = torch.randn(3, 256)

@@ -37,6 +37,7 @@ namespace {
 
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the dot the weight stream is prefetched
+constexpr int64_t kRowChunk = 128;  // activation rows per pass over the weights (a multiple of the 8-row tile)
 
 // The packed layout of type T (bytes for one unit of a 16-row group).
 template <class T>
@@ -394,12 +395,16 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
   const int64_t group_bytes = A.K / T::kBlock * Packed<T>::kUnitBytes;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
   at::parallel_for(0, N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
+    // kRowChunk activation rows at a time over this thread's groups: the chunk's int8 rows stay in L2 while every
+    // group streams past them (all M rows per group spilled a long prompt's activations out of L2, re-read for
+    // each group); the weights are re-read once per chunk instead. Every output's arithmetic is the same.
+    for (int64_t mc = 0; mc < M; mc += kRowChunk)
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gw = w + g * group_bytes;
-      const int64_t n0 = g * kGroupRows;
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) tile<T, 8>(gw, A, m, out, out_f32, ldo, n0);
-      switch (M - m) {  // the rest in one tile: the group's codes unpacked once (a verification of k drafts: k + 1)
+      const int64_t n0 = g * kGroupRows, m_end = std::min(M, mc + kRowChunk);
+      int64_t m = mc;
+      for (; m + 8 <= m_end; m += 8) tile<T, 8>(gw, A, m, out, out_f32, ldo, n0);
+      switch (m_end - m) {  // the rest in one tile: the group's codes unpacked once (a verification of k drafts: k + 1)
         case 7: tile<T, 7>(gw, A, m, out, out_f32, ldo, n0); break;
         case 6: tile<T, 6>(gw, A, m, out, out_f32, ldo, n0); break;
         case 5: tile<T, 5>(gw, A, m, out, out_f32, ldo, n0); break;
