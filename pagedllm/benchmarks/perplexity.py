@@ -53,11 +53,9 @@ def chunks(tokens: list[int], ctx: int, count: int | None, bos: int | None) -> l
 def text_tokens(tokenizer, text: str, model: str, text_path: str, source: str) -> tuple[list[int], int | None]:
     """The text's tokens as llama-perplexity takes them (with the tokenizer's BOS, if it adds one), and that BOS.
     source "llama.cpp": llama.cpp's own tokenizer (llama-tokenize), so that every system scores the same ids."""
-    ids = tokenizer.encode(text, add_special_tokens=True)
     bos = getattr(tokenizer, "bos_token_id", None)
-    adds_bos = bos is not None and ids[:1] == [bos] and tokenizer.encode(text, add_special_tokens=False)[:1] != [bos]
-    if source == "llama.cpp":
-        ids = llama_tokens(model, text_path)
+    adds_bos = bos is not None and tokenizer.encode("a")[:1] == [bos] != tokenizer.encode("a", add_special_tokens=False)[:1]
+    ids = llama_tokens(model, text_path) if source == "llama.cpp" else tokenizer.encode(text, add_special_tokens=True)
     return ids, bos if adds_bos else None
 
 
