@@ -19,10 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_chunks_are_llama_perplexitys():
-    toks = [random.randrange(1000) for _ in range(23)]
-    assert chunks(toks, 5, None, None) == [toks[0:5], toks[5:10], toks[10:15], toks[15:20]]
-    assert chunks(toks, 5, 2, 7) == [[7, *toks[1:5]], [7, *toks[6:10]]]
-    assert chunks(toks, 24, None, None) == []
+    seed = random.randrange(1 << 16)  # fresh tokens every run, the seed in every failure message
+    rng = random.Random(seed)
+    toks = [rng.randrange(1000) for _ in range(23)]
+    assert chunks(toks, 5, None, None) == [toks[0:5], toks[5:10], toks[10:15], toks[15:20]], seed
+    assert chunks(toks, 5, 2, 7) == [[7, *toks[1:5]], [7, *toks[6:10]]], seed
+    assert chunks(toks, 24, None, None) == [], seed
 
 
 def test_pagedllm_perplexity_equals_the_models_own_logits():
