@@ -27,7 +27,8 @@ def _weights(name: str, rows: int, cols: int, packed: bool = True):
     from pagedllm.quantization.tensor import QuantTensor, type_id
 
     tile = quantized(np.random.default_rng(0), min(rows, 1024), cols, name, 0.02)
-    raw = np.ascontiguousarray(np.tile(tile, (rows // tile.shape[0], 1)))
+    reps = -(-rows // tile.shape[0])  # whole tiles, then cut to `rows`
+    raw = np.ascontiguousarray(np.tile(tile, (reps, 1))[:rows])
     w = QuantTensor(torch.from_numpy(raw), type_id(name), cols)
     return w.packed() if packed else w
 

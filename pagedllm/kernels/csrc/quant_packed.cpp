@@ -13,10 +13,14 @@
 //   k6: 2 vectors of 64 bytes, vector v lane i byte b bits 2t, 2t + 1 = the top bits of element 4(4v + t) + b;
 //   k8: instead of the plane, 8 vectors (vector s lane i = row i's elements 4s..4s+3 as u8).
 //
-// Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even), with
-// dsa = da * sum(codes) per 32 and per 16. out[m, n] = sum over blocks, in order, of (isum: the exact int32 dot)
-//   one scale per 32:  acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)
-//   one per 16 (Q6_K): acc = fma(float(isum_0), ws_0 * da, acc); the same for half 1; then fma(wo_h, dsa_h, acc)
+// Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even), with the
+// sum of its codes per 32 and per 16 (sa, sa_h) and dsa = da * sa. out[m, n] = sum over blocks, in order, of
+// (isum: the exact int32 dot of operands and codes)
+//   a float offset wo (kHasMin): acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)
+//   a fixed zero (the rest):     acc = fma(float(isum - kZero * sa), ws * da, acc)
+//   one scale per 16 (Q6_K):     t = float(isum_0 - kZero * sa_0) * ws_0; t = fma(float(isum_1 - ...), ws_1, t);
+//                                acc = fma(t, da, acc)
+// (the zero is taken off in integers, exactly: one fma a block fewer than an offset in floats).
 // The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal.
 
 #include <ATen/Parallel.h>
@@ -173,7 +177,8 @@ struct Acts {
   int64_t K = 0;
   std::unique_ptr<int8_t[]> a;   // [M, K]
   std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
-  std::unique_ptr<float[]> ds16;  // [M, K / 16]: scale x sum of the codes of each 16
+  std::unique_ptr<int32_t[]> s32;  // [M, K / 32]: sum of codes
+  std::unique_ptr<int32_t[]> s16;  // [M, K / 16]: sum of the codes of each 16
 };
 
 // One 32-block: codes round(v * 127 / amax) (half to even); sums[h] = the sum of codes 16h..16h+15; *d = amax / 127.
@@ -206,7 +211,8 @@ void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) 
   acts.a.reset(new int8_t[M * K]);
   acts.d.reset(new float[M * K / 32]);
   acts.ds.reset(new float[M * K / 32]);
-  acts.ds16.reset(new float[M * K / 16]);
+  acts.s32.reset(new int32_t[M * K / 32]);
+  acts.s16.reset(new int32_t[M * K / 16]);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     float v[32];
     for (int64_t m = m0; m < m1; ++m)
@@ -219,7 +225,7 @@ void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) 
         int sums[2];
         quantize_block(block, acts.a.get() + at, &d, sums);
         acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sums[0] + sums[1]);
-        acts.ds16[at / 16] = d * static_cast<float>(sums[0]), acts.ds16[at / 16 + 1] = d * static_cast<float>(sums[1]);
+        acts.s32[at / 32] = sums[0] + sums[1], acts.s16[at / 16] = sums[0], acts.s16[at / 16 + 1] = sums[1];
       }
   });
 }
@@ -271,7 +277,7 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
 }
 
 // The dots of one 32-block against MR activation rows, folded into acc by the block's scales.
-template <int H, int MR>
+template <class T, int MR>
 inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, const Acts& A, int64_t m0, int64_t k,
                        __m512* acc) {
   // unrolled, so that acc[] stays in registers (a loop over j kept the accumulators on the stack: a store and a
@@ -279,13 +285,22 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) {
     const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
+    const int64_t b = ((m0 + j) * A.K + k) / 32;
     // The dots of elements 0..15 and 16..31 in kChains / 2 chains each. A few rows (decode) use four chains of two
     // vpdpbusd: two chains of four left one row's block latency-bound. Many rows keep two, which already overlap
-    // across rows and need fewer registers. Integer sums are exact: the split changes no result.
+    // across rows and need fewer registers. Integer sums are exact: the split changes no result. A fixed zero
+    // starts each half's first chain at -kZero * (its codes' sum).
     constexpr int kChains = MR <= 2 ? 4 : 2, kDots = 8 / kChains;
     __m512i chain[kChains];
     for (int q = 0; q < kChains; ++q) {
-      chain[q] = _mm512_setzero_si512();
+      if constexpr (T::kHasMin)
+        chain[q] = _mm512_setzero_si512();
+      else if (q % (kChains / 2) != 0)
+        chain[q] = _mm512_setzero_si512();
+      else if constexpr (T::kHalves == 1)
+        chain[q] = _mm512_set1_epi32(q == 0 ? -T::kZero * A.s32[b] : 0);
+      else
+        chain[q] = _mm512_set1_epi32(-T::kZero * A.s16[2 * b + q / (kChains / 2)]);
       for (int s = kDots * q; s < kDots * (q + 1); ++s) {
         int32_t four;
         std::memcpy(&four, a + 4 * s, 4);
@@ -297,17 +312,16 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
       part[0] = _mm512_add_epi32(chain[0], chain[1]), part[1] = _mm512_add_epi32(chain[2], chain[3]);
     else
       part[0] = chain[0], part[1] = chain[1];
-    const int64_t b = ((m0 + j) * A.K + k) / 32;
     const __m512 da = _mm512_set1_ps(A.d[b]);
-    if constexpr (H == 1) {
+    if constexpr (T::kHalves == 1) {
       const __m512i isum = _mm512_add_epi32(part[0], part[1]);
       acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[0], da), acc[j]);
-      acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b]), acc[j]);
+      if constexpr (T::kHasMin) acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b]), acc[j]);
     } else {
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[0]), _mm512_mul_ps(ws[0], da), acc[j]);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), _mm512_mul_ps(ws[1], da), acc[j]);
-      acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds16[2 * b]), acc[j]);
-      acc[j] = _mm512_fmadd_ps(wo[1], _mm512_set1_ps(A.ds16[2 * b + 1]), acc[j]);
+      static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
+                                       _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
+      acc[j] = _mm512_fmadd_ps(t, da, acc[j]);
     }
   }
 }
@@ -331,7 +345,7 @@ void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc) {
       T::template scales<__m512>(head, f, ws, wo);
       __m512i c[8];
       load_codes<T::kCodes>(blk, c);
-      block_dots<T::kHalves, MR>(c, ws, wo, A, m0, k + 32 * b, acc);
+      block_dots<T, MR>(c, ws, wo, A, m0, k + 32 * b, acc);
     }
   }
 }
@@ -372,13 +386,13 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
         for (int e = 0; e < 32; ++e) part[e / 16] += operand<T::kCodes>(code_at<T::kCodes>(blk, i, e)) * a[e];
         const int64_t b = ((m0 + j) * A.K + k) / 32;
         if constexpr (T::kHalves == 1) {
-          acc = std::fma(static_cast<float>(part[0] + part[1]), ws[0] * A.d[b], acc);
-          acc = std::fma(wo[0], A.ds[b], acc);
+          const int32_t isum = part[0] + part[1] - (T::kHasMin ? 0 : T::kZero * A.s32[b]);
+          acc = std::fma(static_cast<float>(isum), ws[0] * A.d[b], acc);
+          if constexpr (T::kHasMin) acc = std::fma(wo[0], A.ds[b], acc);
         } else {
-          acc = std::fma(static_cast<float>(part[0]), ws[0] * A.d[b], acc);
-          acc = std::fma(static_cast<float>(part[1]), ws[1] * A.d[b], acc);
-          acc = std::fma(wo[0], A.ds16[2 * b], acc);
-          acc = std::fma(wo[1], A.ds16[2 * b + 1], acc);
+          const float t0 = static_cast<float>(part[0] - T::kZero * A.s16[2 * b]) * ws[0];
+          const float t = std::fma(static_cast<float>(part[1] - T::kZero * A.s16[2 * b + 1]), ws[1], t0);
+          acc = std::fma(t, A.d[b], acc);
         }
       }
       const int64_t at = (m0 + j) * ldo + n0 + i;

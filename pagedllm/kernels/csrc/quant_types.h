@@ -8,6 +8,8 @@
 //   kHead, kPer32         the scale fields of each block (kHead: once per file block; kPer32: per 32 elements),
 //                         as raw fp16 bits or bytes (Field)
 //   kHalves               scale groups per 32 elements: 1, or 2 where the type scales each 16 (Q6_K)
+//   kHasMin, kZero        the offset: a float one per block (kHasMin: weight = ws * operand + wo), or the
+//                         operand's fixed zero (weight = ws * (operand - kZero), so wo = -kZero * ws)
 //   decode(src, codes, head, per32)
 //                         one file block into its codes (element order) and raw fields
 //   scales(head, per32, ws, wo)
@@ -125,20 +127,24 @@ inline void k_nibbles(const uint8_t* qs, uint8_t* codes) {
 template <int64_t T>
 struct Traits;
 
-// 32-element blocks with an fp16 scale d: weight = d * (operand - kZero).
-template <int kZero>
+// 32-element blocks with an fp16 scale d: weight = d * (operand - Zero).
+template <int Zero>
 struct Scale32 {
   static constexpr int64_t kBlock = 32, kHalves = 1;
+  static constexpr bool kHasMin = false;
+  static constexpr int kZero = Zero;
   static constexpr Field kHead[] = {Field::kF16};  // unused (kNumHead = 0): an array cannot be empty
   static constexpr int kNumHead = 0;
   static constexpr Field kPer32[] = {Field::kF16};
   template <class V>
-  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * static_cast<float>(-kZero); }
+  static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * static_cast<float>(-Zero); }
 };
 
 // 32-element blocks with fp16 d and m: weight = d * code + m.
 struct ScaleMin32 {
   static constexpr int64_t kBlock = 32, kHalves = 1;
+  static constexpr bool kHasMin = true;
+  static constexpr int kZero = 0;
   static constexpr Field kHead[] = {Field::kF16};  // unused
   static constexpr int kNumHead = 0;
   static constexpr Field kPer32[] = {Field::kF16, Field::kF16};
@@ -217,6 +223,8 @@ struct Traits<kIQ4_NL> : Scale32<128> {  // operands kNonLinear4[code] + 128
 // Q4_K / Q5_K: d, dmin per 256; a 6-bit scale and min per 32 (weight = d * scale * q - dmin * min).
 struct KScaleMin {
   static constexpr int64_t kBlock = 256, kHalves = 1;
+  static constexpr bool kHasMin = true;
+  static constexpr int kZero = 0;
   static constexpr Field kHead[] = {Field::kF16, Field::kF16};  // d, dmin
   static constexpr int kNumHead = 2;
   static constexpr Field kPer32[] = {Field::kU8, Field::kU8};  // scale, min
@@ -260,6 +268,8 @@ struct Traits<kQ5_K> : KScaleMin {
 template <>
 struct Traits<kQ6_K> {
   static constexpr int64_t kBlock = 256, kBytes = 210, kHalves = 2;
+  static constexpr bool kHasMin = false;
+  static constexpr int kZero = 32;
   static constexpr Codes kCodes = Codes::k6;
   static constexpr Field kHead[] = {Field::kF16};  // d
   static constexpr int kNumHead = 1;
@@ -281,7 +291,7 @@ struct Traits<kQ6_K> {
   template <class V>
   static void scales(const V* h, const V* f, V* ws, V* wo) {
     ws[0] = h[0] * f[0], ws[1] = h[0] * f[1];
-    wo[0] = ws[0] * -32.f, wo[1] = ws[1] * -32.f;
+    wo[0] = ws[0] * static_cast<float>(-kZero), wo[1] = ws[1] * static_cast<float>(-kZero);
   }
 };
 
@@ -289,6 +299,8 @@ struct Traits<kQ6_K> {
 template <>
 struct Traits<kIQ4_XS> {
   static constexpr int64_t kBlock = 256, kBytes = 136, kHalves = 1;
+  static constexpr bool kHasMin = false;
+  static constexpr int kZero = 128;
   static constexpr Codes kCodes = Codes::kNL4;
   static constexpr Field kHead[] = {Field::kF16};  // d
   static constexpr int kNumHead = 1;
@@ -303,7 +315,7 @@ struct Traits<kIQ4_XS> {
     }
   }
   template <class V>
-  static void scales(const V* h, const V* f, V* ws, V* wo) { ws[0] = h[0] * f[0], wo[0] = ws[0] * -128.f; }
+  static void scales(const V* h, const V* f, V* ws, V* wo) { ws[0] = h[0] * f[0], wo[0] = ws[0] * static_cast<float>(-kZero); }
 };
 
 // Every type the kernels read, in one list: adding a type is its Traits and one entry here (and its Python row).
