@@ -6,11 +6,16 @@ check against the plain float32 product bounds the total error of the int8 activ
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from pagedllm.benchmarks.gguf_writer import quantized
+from pagedllm.kernels.build import VARIANT_ENV, build_variant, cpu_flags
 from pagedllm.kernels.dispatch import kernel_op
 from pagedllm.quantization.tensor import QuantTensor, kernel_available, pack_stacked, type_id
 from pagedllm.quantization.types import BY_NAME, KERNEL_TYPES
@@ -151,3 +156,37 @@ def test_only_whole_groups_are_packed():
     assert not _weight("Q6_K", 40, 256, seed=6).packed().is_packed
     with pytest.raises(ValueError, match="packed"):
         _weight("Q4_0", 32, 256, seed=6, packed=True).rows(torch.tensor([1]))
+
+
+_PORTABLE_SIDE = """
+import sys, torch
+from pagedllm.quantization.tensor import QuantTensor
+case = torch.load(sys.argv[1])
+out = {name: QuantTensor(data, qtype, cols).packed().matmul(x)
+       for name, (data, qtype, cols, x) in case.items()}
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_the_portable_build_computes_the_same_bits(tmp_path):
+    """The packed GEMM's portable path (the build for CPUs without VNNI, or without AVX-512) does the VNNI path's
+    arithmetic in the same order: the same weights and activations give the same bits from both builds. The other
+    build runs in a subprocess ($PAGEDLLM_KERNEL_VARIANT: one extension per process); it is cached, so the
+    variant tests reuse it."""
+    if build_variant(cpu_flags(), os.environ.get(VARIANT_ENV) or None)[0] == "portable":
+        pytest.skip("this process already runs the portable build")
+    seed = int(np.random.default_rng().integers(1 << 31))
+    gen = torch.Generator().manual_seed(seed)
+    case, ours = {}, {}
+    for i, qtype in enumerate(TYPES):
+        w = _weight(qtype, 32, _cols(qtype), seed + i)
+        x = torch.randn(9, w.shape[1], generator=gen)  # 9 rows: one full 8-row tile and a 1-row tail
+        case[qtype] = (w.data, w.qtype, w.shape[1], x)
+        ours[qtype] = w.packed().matmul(x)
+    torch.save(case, tmp_path / "case.pt")
+    env = {**os.environ, VARIANT_ENV: "portable"}
+    subprocess.run([sys.executable, "-c", _PORTABLE_SIDE, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True, timeout=1800)
+    theirs = torch.load(tmp_path / "out.pt")
+    differ = [t for t in TYPES if not torch.equal(ours[t], theirs[t])]
+    assert not differ, f"seed {seed}: the portable build differs on {differ}"

@@ -21,7 +21,8 @@
 //   one scale per 16 (Q6_K):     t = float(isum_0 - kZero * sa_0) * ws_0; t = fma(float(isum_1 - ...), ws_1, t);
 //                                acc = fma(t, da, acc)
 // (the zero is taken off in integers, exactly: one fma a block fewer than an offset in floats).
-// The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal.
+// The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal (a test
+// holds the two builds to the same bits).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
