@@ -84,7 +84,9 @@ class CausalLM(nn.Module):
         """hidden [N, H] -> float32 logits [N, V], into `out` when given (and shaped for them)."""
         head = self.lm_head
         if head is None and isinstance(self.embed, QuantTensor):  # tied, kept in GGUF blocks: fp32 from the kernel
-            logits = self.embed.matmul(hidden, torch.empty(hidden.shape[0], self.embed.shape[0]))
+            shape = (hidden.shape[0], self.embed.shape[0])  # straight into `out` (no temporary, no copy)
+            into = out is not None and out.shape == shape and out.dtype == torch.float32
+            logits = self.embed.matmul(hidden, out if into else torch.empty(shape))
         elif head is None or type(head.method) is DenseLinearMethod:  # (a subclass may compute otherwise)
             w = self.embed if head is None else head.weight
             if out is not None and hidden.dtype == torch.float32 and not current_mode().invariant:
