@@ -51,6 +51,7 @@ def limits(threads: int = common.DEFAULT_THREADS, buffer_bytes: int = BUFFER_BYT
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
+    p.add_argument("--quick", action="store_true", help="the same run: it takes a few seconds already")
 
 
 def run(args: argparse.Namespace) -> dict:

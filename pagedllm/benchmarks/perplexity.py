@@ -185,11 +185,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="whose tokens pagedllm scores (llama.cpp's: the same ids as llama-perplexity)")
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     p.add_argument("--work-dir", default=None, help="where re-quantized files go (default: the bench model cache)")
+    p.add_argument("--quick", action="store_true", help="one chunk of 128 tokens (checks the command runs)")
 
 
 def run(args: argparse.Namespace) -> dict:
     from pagedllm.paths import cache_dir
 
+    if args.quick:
+        args.chunks, args.ctx = 1, 128
     args.chunks = args.chunks or None
     source = args.model or common.default_model_path()
     files = [source]

@@ -74,9 +74,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     p.add_argument("--unpacked", action="store_true", help="also time the file's blocks as stored (speed-up)")
+    p.add_argument("--quick", action="store_true", help="three types, two repeats (checks the command runs)")
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.quick:
+        args.types, args.repeats = "Q4_0,Q4_K,Q6_K", 2
     common.set_threads(args.threads)
     lim = limits(args.threads)
     shape = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
