@@ -334,13 +334,16 @@ void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc) {
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < A.K; k += T::kBlock) {
     const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
-    // the weights stream from memory once per call: ask for the next units ahead of the hardware prefetcher
-    for (int64_t l = 0; l < P::kUnitBytes; l += 64)
+    // the weights stream from memory once per call: ask for the bytes kPrefetchBytes ahead of the hardware
+    // prefetcher, a few lines per 32-block (a whole 256-block unit's lines at once stalled the loads behind them)
+    for (int64_t l = 0; l < P::kHeadBytes; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
     __m512 head[T::kNumHead + 1];
     for (int f = 0; f < T::kNumHead; ++f) head[f] = field16(T::kHead[f], p + P::head_offset(f));
     for (int64_t b = 0; b < P::kBlocks; ++b) {
       const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
+      for (int64_t l = 0; l < P::kBlockBytes; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
       __m512 f[P::kNumPer32], ws[T::kHalves], wo[T::kHalves];
       for (int i = 0; i < P::kNumPer32; ++i) f[i] = field16(T::kPer32[i], blk + P::per32_offset(i));
       T::template scales<__m512>(head, f, ws, wo);
