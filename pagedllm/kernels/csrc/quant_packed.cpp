@@ -292,16 +292,13 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
     // across rows and need fewer registers. Integer sums are exact: the split changes no result. A fixed zero
     // starts each half's first chain at -kZero * (its codes' sum).
     constexpr int kChains = MR <= 2 ? 4 : 2, kDots = 8 / kChains;
+    int32_t start[2] = {0, 0};  // each half's first chain starts here (constants 0 fold away)
+    if constexpr (!T::kHasMin && T::kHalves == 1) start[0] = -T::kZero * A.s32[b];
+    if constexpr (!T::kHasMin && T::kHalves == 2)
+      start[0] = -T::kZero * A.s16[2 * b], start[1] = -T::kZero * A.s16[2 * b + 1];
     __m512i chain[kChains];
     for (int q = 0; q < kChains; ++q) {
-      if constexpr (T::kHasMin)
-        chain[q] = _mm512_setzero_si512();
-      else if (q % (kChains / 2) != 0)
-        chain[q] = _mm512_setzero_si512();
-      else if constexpr (T::kHalves == 1)
-        chain[q] = _mm512_set1_epi32(q == 0 ? -T::kZero * A.s32[b] : 0);
-      else
-        chain[q] = _mm512_set1_epi32(-T::kZero * A.s16[2 * b + q / (kChains / 2)]);
+      chain[q] = q % (kChains / 2) == 0 ? _mm512_set1_epi32(start[q / (kChains / 2)]) : _mm512_setzero_si512();
       for (int s = kDots * q; s < kDots * (q + 1); ++s) {
         int32_t four;
         std::memcpy(&four, a + 4 * s, 4);
