@@ -104,15 +104,10 @@ def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
     """llama.cpp's single stream through llama-server (-np 1): its sampling runs in C++ and it reports its own
     prompt and decode timings. llama-cpp-python's generate() samples in Python over the whole vocabulary, which
     on a 151,936-token vocabulary cost more than the decode step itself: that peer was not at its best."""
-    import httpx
-
     from pagedllm.benchmarks.serving import LlamaServer
 
     def completion(srv: LlamaServer, prompt: list[int], n: int) -> dict:
-        body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
-        r = httpx.post(srv.url + "/completion", json=body, timeout=600)
-        r.raise_for_status()
-        return r.json()["timings"]
+        return srv.completion(prompt, n, ignore_eos=True)["timings"]
 
     p, d = wl["decode_prompt"], wl["decode_tokens"]
     with LlamaServer(model, threads, 1, CONTEXT) as srv:

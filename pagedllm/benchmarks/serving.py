@@ -134,6 +134,16 @@ class LlamaServer(_Server):
                 "-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.parallel),
                 "-c", str(self.parallel * self.ctx_per_slot), "-cb", "--no-webui", *self.extra_args]
 
+    def completion(self, prompt: list[int], n: int, timeout: float = 600, **options) -> dict:
+        """One greedy /completion of n tokens after the token ids `prompt` (no prompt cache): llama-server's JSON,
+        with its own prompt and decode `timings`."""
+        import httpx
+
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": False, **options}
+        r = httpx.post(self.url + "/completion", json=body, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
 
 # ---- the client --------------------------------------------------------------------------------------
 @dataclass

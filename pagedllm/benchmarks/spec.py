@@ -83,8 +83,6 @@ def llama_cpp_streams(model: str | None, streams: dict[str, list[int]], olen: in
                       repeats: int) -> list[dict]:
     """Each stream on llama-server (one slot), plain and with its speculation: decode tok/s from its own timings
     (the prompt's prefill left out, as in the decode columns above), median over repeats."""
-    import httpx
-
     from pagedllm.benchmarks.serving import LlamaServer
 
     rates: dict[tuple[str, str], list[float]] = {}
@@ -93,10 +91,7 @@ def llama_cpp_streams(model: str | None, streams: dict[str, list[int]], olen: in
         with LlamaServer(model, threads, 1, 4096, extra) as srv:
             for name, prompt in streams.items():
                 for _ in range(max(1, repeats)):
-                    body = {"prompt": prompt, "n_predict": olen, "temperature": 0.0, "cache_prompt": False}
-                    r = httpx.post(srv.url + "/completion", json=body, timeout=1200)
-                    r.raise_for_status()
-                    out = r.json()
+                    out = srv.completion(prompt, olen, timeout=1200)
                     rates.setdefault((name, mode), []).append(out["timings"]["predicted_per_second"])
                     texts[(name, mode)] = out["content"]
     return [{"workload": name, "llama_plain_decode_tok_s": statistics.median(rates[(name, "plain")]),
