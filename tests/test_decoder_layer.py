@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm.attention import build_attention_metadata
-from pagedllm.kernels import kernel_mode, kernel_op
+from pagedllm.kernels import dispatch, kernel_mode, kernel_op
 from pagedllm.model import ModelConfig, allocate_kv_caches
 from pagedllm.model.fused_layer import fused_layer_op
 from pagedllm.model.llama import LlamaForCausalLM
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("batch_dependent_kernels")
 
 
 def random_model(name: str, seed: int) -> LlamaForCausalLM:
-    if kernel_op("decoder_layer_bf16") is None:
+    if kernel_op("decoder_stack") is None or not dispatch.has(dispatch.AVX512_BF16):
         pytest.skip("no avx512_bf16 kernels on this CPU")
     cfg = ModelConfig(architecture="llama", num_layers=2, vocab_size=300, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, **CONFIGS[name])

@@ -239,10 +239,10 @@ def test_bfloat16_close_to_transformers_bfloat16(pair):
 def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_dependent_kernels):
     """One-token bf16 steps on the C++ backend: where the CPU has avx512_bf16 they run the fused decoder layer
     (decoder_layer.cpp), the prefill before them the torch layers."""
-    from pagedllm.kernels import kernel_op
+    from pagedllm.kernels import dispatch
     from pagedllm.model.fused_layer import fused_layer_op
 
-    if kernel_op("decoder_layer_bf16") is None:
+    if dispatch.kernel_op("decoder_stack") is None or not dispatch.has(dispatch.AVX512_BF16):
         pytest.skip("no avx512_bf16 kernels on this CPU")
     hf16 = pair.hf.to(torch.bfloat16)
     try:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+import torch
+
 from pagedllm.kernels.build import load_ops
 
 # Capabilities (keys of capabilities()): instruction sets the build was compiled for (1 or 0) and sizes.
@@ -30,8 +32,7 @@ VNNI = "vnni"                # int8 dot products: the quantized GEMMs' fast path
 # each has a portable form).
 OP_NEEDS: dict[str, str] = {
     "small_gemm_bf16": AVX512_BF16,
-    "decoder_layer_bf16": AVX512_BF16,
-    "decoder_layer_quant": AVX512,  # its bf16 form needs AVX512_BF16 too: fused_layer.fused_layer_op checks
+    "decoder_stack": AVX512,  # its bf16 form needs AVX512_BF16 too: fused_layer.fused_layer_op checks
 }
 
 
@@ -90,6 +91,12 @@ def kernel_op(name: str) -> Any:
     if needs is not None and not has(needs):
         return None
     return getattr(load_ops(), name)
+
+
+def kernel_class(name: str) -> Any:
+    """The extension's TorchScript class `name` (torch.classes.pagedllm_cpu), loading the extension first."""
+    load_ops()
+    return getattr(torch.classes.pagedllm_cpu, name)
 
 
 def small_gemm_max_rows() -> int:

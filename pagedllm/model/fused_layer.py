@@ -1,6 +1,6 @@
-"""Whether a forward runs each decoder layer as one C++ call (csrc/decoder_layer.cpp), and which op: the one
-place that decides. The parts it reads are declarations: the architecture's (registry: its layer is the fused
-one, for these config features), each Linear method's (it keeps a weight the op can read), the attention
+"""Whether a forward runs the decoder layers as one C++ call (csrc/decoder_layer.cpp: decoder_stack), and running
+them: the one place that decides. The parts it reads are declarations: the architecture's (registry: its layer is
+the fused one, for these config features), each Linear method's (it keeps a weight the op can read), the attention
 backend's (its kernel is the op's), and the build's capabilities (kernels/dispatch.py)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from pagedllm.attention.metadata import AttentionMetadata, per_layer
 from pagedllm.kernels import dispatch
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig
@@ -23,26 +24,52 @@ def can_fuse(cfg: ModelConfig, linears: Iterable[Linear]) -> bool:
             and all(lin.method.runs_fused_layer for lin in linears))
 
 
-def op_name(linears: Iterable[Linear]) -> str:
-    """decoder_layer_quant where a linear keeps weight segments (GGUF blocks, which the op takes as (tensors,
-    types) pairs), else decoder_layer_bf16 (dense weights of the model's dtype)."""
-    return "decoder_layer_quant" if any(lin.method.segmented for lin in linears) else "decoder_layer_bf16"
-
-
 def fused_layer_op(model, h: torch.Tensor, kv_caches: list[KVCache]) -> Callable | None:
-    """The fused decoder-layer op for this forward, or None (the model runs its torch layers):
+    """The decoder_stack op for this forward, or None (the model runs its torch layers):
     - bf16 (weights dense or quantized) where the build has avx512_bf16, but never in batch-invariant mode: its
       dense GEMMs switch kernels with the row count;
-    - fp32 with quantized weights where the build has AVX-512: batch-invariant as its torch layers are.
+    - fp32 with quantized weights (segments) where the build has AVX-512: batch-invariant as its torch layers are.
     Always: the model allows it (`model.fused_layers`, can_fuse), the attention backend is the C++ kernel on its
     vector paths, and the KV pool holds the compute dtype (the op writes K/V itself)."""
     mode = dispatch.current_mode()
-    if not (model.fused_layers and model._fused_capable and h.shape[0] > 0 and kv_caches and not mode.portable
-            and kv_caches[0][0].dtype == h.dtype and getattr(model.attn_backend, "runs_fused_layers", False)):
+    op = dispatch.kernel_op("decoder_stack")
+    if not (op is not None and model.fused_layers and model._fused_capable and h.shape[0] > 0 and kv_caches
+            and not mode.portable and kv_caches[0][0].dtype == h.dtype
+            and getattr(model.attn_backend, "runs_fused_layers", False)):
         return None
-    name = op_name(model.layers[0].linears())
     if h.dtype == torch.bfloat16:
-        return None if mode.invariant or not dispatch.has(dispatch.AVX512_BF16) else dispatch.kernel_op(name)
-    if h.dtype == torch.float32 and name == "decoder_layer_quant":
-        return dispatch.kernel_op(name)
-    return None
+        return None if mode.invariant or not dispatch.has(dispatch.AVX512_BF16) else op
+    segmented = any(lin.method.segmented for lin in model.layers[0].linears())
+    return op if h.dtype == torch.float32 and segmented else None
+
+
+def run_fused_layers(op: Callable, model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_caches: list[KVCache], meta: AttentionMetadata | list[AttentionMetadata]) -> None:
+    """h through every decoder layer, in place: one op call for each run of layers that share their attention
+    metadata (all the layers but where KV groups give each its own)."""
+    metas = per_layer(meta, len(model.layers))
+    stack, invariant = _bound_stack(model), dispatch.current_mode().invariant
+    first = 0
+    while first < len(metas):
+        end = first + 1
+        while end < len(metas) and metas[end] is metas[first]:
+            end += 1
+        m = metas[first]
+        op(stack, h, cos, sin, [kv_caches[i][0] for i in range(first, end)],
+           [kv_caches[i][1] for i in range(first, end)], m.slot_mapping, m.block_tables, m.seq_lens,
+           m.query_start_loc, first, invariant)
+        first = end
+
+
+def _bound_stack(model):
+    """The model's DecoderStack: every layer's weights bound once, at its first fused forward (the Parameters stay
+    the same objects when weights are loaded, only their data changes, and the op reads them through them)."""
+    stack = getattr(model, "_decoder_stack", None)
+    if stack is None:
+        cfg, attn = model.config, model.layers[0].attn
+        stack = dispatch.kernel_class("DecoderStack")(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                      cfg.intermediate_size, cfg.rms_norm_eps, attn.scale)
+        for layer in model.layers:
+            stack.add_layer(*layer.fused_weights())
+        model._decoder_stack = stack
+    return stack

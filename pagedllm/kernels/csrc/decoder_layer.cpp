@@ -1,5 +1,6 @@
-// One Llama decoder layer in one call, for bf16 models and fp32 models with quantized weights on the C++ attention
-// backend (the element type T is Bf16 or float; pointwise stages round as torch does in that type).
+// A model's Llama decoder layers in one call (decoder_stack), for bf16 models and fp32 models with quantized
+// weights on the C++ attention backend (the element type T is Bf16 or float; pointwise stages round as torch does
+// in that type).
 //
 // Layer by layer in Python a bf16 layer is ~50 torch ops: for a decode token of a small model their dispatch
 // costs as much as streaming the weights (`pagedllm bench compile` compares the two), and for prefill and large
@@ -13,6 +14,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -206,63 +208,90 @@ void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarTyp
 // Which decoder_layer<T> this build has: the fp32 one with AVX-512, the bf16 one with avx512_bf16 too.
 bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : dtype == at::kBFloat16 && PL_AVX512_BF16; }
 
-// h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
-// at slot_mapping before attention reads them. invariant: batch-invariant GEMMs and attention (KernelMode).
-template <typename T>
-void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeight& qkv_w,
-                   const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
-                   const std::optional<at::Tensor>& k_norm, const LinearWeight& o_w,
-                   const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm, const LinearWeight& gate_up_w,
-                   const LinearWeight& down_w, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                   at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads, double eps,
-                   double scale, bool invariant) {
-#if PL_AVX512
-  const at::ScalarType dt = h.scalar_type();
-  TORCH_CHECK(has_layer(dt) && h.dim() == 2 && h.is_contiguous(),
-              "decoder_layer: h must be contiguous [tokens, hidden] of a dtype this build has a layer for, got ", dt);
-  TORCH_CHECK(k_cache.scalar_type() == dt && k_cache.dim() == 4 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == dt,
-              "decoder_layer: K/V caches must be contiguous ", dt, " [blocks, block_size, kv_heads, head_dim]");
-  const int64_t M = h.size(0), H = h.size(1), hkv = k_cache.size(2), d = k_cache.size(3);
-  const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
-  const int64_t inter = gate_up_w.rows() / 2;
-  check_weight(input_norm, H, 0, dt, "input_norm");
-  check_weight(post_norm, H, 0, dt, "post_norm");
-  check_linear(qkv_w, qkv_size, H, dt, "qkv");
-  check_linear(o_w, H, q_size, dt, "o");
-  check_linear(gate_up_w, 2 * inter, H, dt, "gate_up");
-  check_linear(down_w, H, inter, dt, "down");
-  if (qkv_b) check_weight(*qkv_b, qkv_size, 0, dt, "qkv_bias");
-  if (o_b) check_weight(*o_b, H, 0, dt, "o_bias");
-  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decoder_layer: q_norm and k_norm go together");
-  if (q_norm) check_weight(*q_norm, d, 0, dt, "q_norm"), check_weight(*k_norm, d, 0, dt, "k_norm");
-  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.numel() == M * d && sin.numel() == M * d,
-              "decoder_layer: cos/sin must be contiguous ", dt, " with tokens x head_dim elements");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == M,
-              "decoder_layer: slot_mapping must be contiguous int64 [tokens]");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)
-    TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_layer: slot ", slots[m], " out of range");
+// A stack of decoder layers whose weights are bound once (DecoderStack.add_layer, at the model's first fused
+// forward): a step calls decoder_stack once for all layers with only activations, caches and metadata. Passing
+// each layer's ~27 arguments through the dispatcher cost ~45 us a layer with warm caches and ~120 us after a
+// layer's weights had streamed through them: 5-13% of a decode step.
+struct LayerWeights {
+  at::Tensor input_norm, post_norm;
+  LinearWeight qkv, o, gate_up, down;
+  std::optional<at::Tensor> qkv_b, o_b, q_norm, k_norm;
+};
 
-  const float epsf = static_cast<float>(eps);
+struct DecoderStack : torch::CustomClassHolder {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
+  double eps, scale;
+  std::vector<LayerWeights> layers;
+
+  DecoderStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
+               double eps, double scale)
+      : hidden(hidden), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), inter(inter),
+        eps(eps), scale(scale) {
+    TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && inter > 0 &&
+                    num_heads % num_kv_heads == 0, "DecoderStack: bad shape");
+  }
+
+  // Checks every weight against the stack's shape; (segs, types): LinearWeight (dense: one segment of type 0).
+  void add_layer(at::Tensor input_norm, std::vector<at::Tensor> qkv_segs, std::vector<int64_t> qkv_types,
+                 std::optional<at::Tensor> qkv_b, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 std::vector<at::Tensor> o_segs, std::vector<int64_t> o_types, std::optional<at::Tensor> o_b,
+                 at::Tensor post_norm, std::vector<at::Tensor> gate_up_segs, std::vector<int64_t> gate_up_types,
+                 std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types) {
+    const at::ScalarType dt = input_norm.scalar_type();
+    TORCH_CHECK(has_layer(dt), "DecoderStack: this build has no layer for ", dt);
+    const int64_t H = hidden, d = head_dim, q_size = num_heads * d, qkv_size = q_size + 2 * num_kv_heads * d;
+    LayerWeights w{input_norm, post_norm, {qkv_segs, qkv_types}, {o_segs, o_types}, {gate_up_segs, gate_up_types},
+                   {down_segs, down_types}, qkv_b, o_b, q_norm, k_norm};
+    check_weight(w.input_norm, H, 0, dt, "input_norm");
+    check_weight(w.post_norm, H, 0, dt, "post_norm");
+    check_linear(w.qkv, qkv_size, H, dt, "qkv");
+    check_linear(w.o, H, q_size, dt, "o");
+    check_linear(w.gate_up, 2 * inter, H, dt, "gate_up");
+    check_linear(w.down, H, inter, dt, "down");
+    if (w.qkv_b) check_weight(*w.qkv_b, qkv_size, 0, dt, "qkv_bias");
+    if (w.o_b) check_weight(*w.o_b, H, 0, dt, "o_bias");
+    TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "DecoderStack: q_norm and k_norm go together");
+    if (w.q_norm) check_weight(*w.q_norm, d, 0, dt, "q_norm"), check_weight(*w.k_norm, d, 0, dt, "k_norm");
+    TORCH_CHECK(layers.empty() || dt == layers[0].input_norm.scalar_type(), "DecoderStack: layers of two dtypes");
+    layers.push_back(std::move(w));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+};
+
+#if PL_AVX512
+// The per-step buffers of one call, shared by its layers.
+template <typename T>
+struct Scratch {
+  at::Tensor x, qkv, attn, proj, gate_up, act;
+  Scratch(const DecoderStack& s, int64_t M, const at::TensorOptions& o)
+      : x(at::empty({M, s.hidden}, o)),
+        qkv(at::empty({M, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim}, o)),
+        attn(at::empty({M, s.num_heads, s.head_dim}, o)),
+        proj(at::empty({M, s.hidden}, o)),
+        gate_up(at::empty({M, 2 * s.inter}, o)),
+        act(at::empty({M, s.inter}, o)) {}
+};
+
+// h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
+// at slots before attention reads them. invariant: batch-invariant GEMMs and attention (KernelMode).
+template <typename T>
+void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, Scratch<T>& buf, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   bool invariant) {
+  const int64_t M = h.size(0), H = s.hidden, hkv = s.num_kv_heads, d = s.head_dim, num_heads = s.num_heads;
+  const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size, inter = s.inter;
+  const float epsf = static_cast<float>(s.eps);
   T* hp = data<T>(h);
-  const T* qn = q_norm ? data<T>(*q_norm) : nullptr;
-  const T* kn = k_norm ? data<T>(*k_norm) : nullptr;
-  at::Tensor x = at::empty({M, H}, h.options());
-  at::Tensor qkv = at::empty({M, qkv_size}, h.options());
-  at::Tensor attn = at::empty({M, num_heads, d}, h.options());
-  at::Tensor proj = at::empty({M, H}, h.options());
-  at::Tensor gate_up = at::empty({M, 2 * inter}, h.options());
-  at::Tensor act = at::empty({M, inter}, h.options());
-  T *xp = data<T>(x), *qkvp = data<T>(qkv), *projp = data<T>(proj), *gup = data<T>(gate_up), *actp = data<T>(act);
+  const T* qn = w.q_norm ? data<T>(*w.q_norm) : nullptr;
+  const T* kn = w.k_norm ? data<T>(*w.k_norm) : nullptr;
+  T *xp = data<T>(buf.x), *qkvp = data<T>(buf.qkv), *projp = data<T>(buf.proj), *gup = data<T>(buf.gate_up),
+    *actp = data<T>(buf.act);
 
   // Attention block: norm, QKV, (bias, q/k norm,) RoPE on q and k, K/V into the cache, attention, O.
-  for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data<T>(input_norm), xp + m * H, H, epsf); });
-  linear<T>(x, qkv_w, qkv_b, qkv, invariant);
+  for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data<T>(w.input_norm), xp + m * H, H, epsf); });
+  linear<T>(buf.x, w.qkv, w.qkv_b, buf.qkv, invariant);
   T* kc = data<T>(k_cache);
   T* vc = data<T>(v_cache);
   for_rows(M, [&](int64_t m) {
@@ -275,87 +304,82 @@ void decoder_layer(at::Tensor h, const at::Tensor& input_norm, const LinearWeigh
     std::memcpy(kc + slots[m] * kv_size, row + q_size, kv_size * sizeof(T));
     std::memcpy(vc + slots[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
   });
-  const at::Tensor q = qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
-  pagedllm::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+  const at::Tensor q = buf.qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
+  pagedllm::paged_attention(buf.attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s.scale,
                             /*portable=*/false, invariant, 0, 0);
-  linear<T>(attn.view({M, q_size}), o_w, o_b, proj, invariant);
+  linear<T>(buf.attn.view({M, q_size}), w.o, w.o_b, buf.proj, invariant);
   for_rows(M, [&](int64_t m) {  // h += o; then the MLP's norm of the new h
     add_into(hp + m * H, projp + m * H, H);
-    rms_norm(hp + m * H, data<T>(post_norm), xp + m * H, H, epsf);
+    rms_norm(hp + m * H, data<T>(w.post_norm), xp + m * H, H, epsf);
   });
 
   // MLP block: down(silu(gate) * up), gate and up fused in one weight.
-  linear<T>(x, gate_up_w, std::nullopt, gate_up, invariant);
+  linear<T>(buf.x, w.gate_up, std::nullopt, buf.gate_up, invariant);
   for_rows(M, [&](int64_t m) { silu_mul(gup + m * 2 * inter, gup + m * 2 * inter + inter, actp + m * inter, inter); });
-  linear<T>(act, down_w, std::nullopt, proj, invariant);
+  linear<T>(buf.act, w.down, std::nullopt, buf.proj, invariant);
   for_rows(M, [&](int64_t m) { add_into(hp + m * H, projp + m * H, H); });
-#else
-  TORCH_CHECK(false, "decoder_layer needs a CPU with AVX-512 (the model runs its torch layers)");
-#endif
 }
+#endif
 
-// h's dtype picks the layer (float, or bf16 where the build has avx512_bf16).
-void decoder_layer_any(at::Tensor h, const at::Tensor& input_norm, const LinearWeight& qkv_w,
-                       const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
-                       const std::optional<at::Tensor>& k_norm, const LinearWeight& o_w,
-                       const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
-                       const LinearWeight& gate_up_w, const LinearWeight& down_w, const at::Tensor& cos,
-                       const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-                       const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                       const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
-                       bool invariant) {
-  TORCH_CHECK(has_layer(h.scalar_type()), "decoder_layer: this build has no layer for ", h.scalar_type(),
-              " (the model runs its torch layers)");
+// Layers first .. first + len(k_caches) - 1 of the stack over h [M, H] (updated in place), layer i's K/V caches
+// k_caches[i - first], v_caches[i - first], all with the same attention metadata; h's dtype picks the layer
+// (float, or bf16 where the build has avx512_bf16) and must be the weights'.
+void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, const at::Tensor& cos,
+                   const at::Tensor& sin, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                   const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const at::Tensor& query_start_loc, int64_t first, bool invariant) {
+  const DecoderStack& s = *stack;
+  const at::ScalarType dt = h.scalar_type();
+  TORCH_CHECK(has_layer(dt), "decoder_stack: this build has no layer for ", dt, " (the model runs its torch layers)");
+  const int64_t count = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(first >= 0 && first + count <= s.size() && v_caches.size() == k_caches.size(),
+              "decoder_stack: layers ", first, "..", first + count, " of ", s.size(), " with ", v_caches.size(),
+              " V caches");
+  TORCH_CHECK(count == 0 || s.layers[first].input_norm.scalar_type() == dt,
+              "decoder_stack: h is ", dt, ", the weights ", s.layers[first].input_norm.scalar_type());
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) == s.hidden,
+              "decoder_stack: h must be contiguous [tokens, ", s.hidden, "]");
+  const int64_t M = h.size(0), d = s.head_dim;
+  for (int64_t i = 0; i < count; ++i) {
+    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+    TORCH_CHECK(kc.scalar_type() == dt && kc.dim() == 4 && kc.is_contiguous() && kc.size(2) == s.num_kv_heads &&
+                    kc.size(3) == d && vc.is_contiguous() && vc.sizes() == kc.sizes() && vc.scalar_type() == dt,
+                "decoder_stack: K/V caches must be contiguous ", dt, " [blocks, block_size, ", s.num_kv_heads,
+                ", ", d, "]");
+  }
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == M * d && sin.numel() == M * d,
+              "decoder_stack: cos/sin must be contiguous ", dt, " with tokens x head_dim elements");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == M,
+              "decoder_stack: slot_mapping must be contiguous int64 [tokens]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t num_slots = k_caches[i].size(0) * k_caches[i].size(1);
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_stack: slot ", slots[m], " out of range");
+  }
 #if PL_AVX512
   const auto run = [&](auto tag) {
-    decoder_layer<decltype(tag)>(h, input_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, gate_up_w, down_w,
-                                 cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                 num_heads, eps, scale, invariant);
+    using T = decltype(tag);
+    Scratch<T> buf(s, M, h.options());
+    for (int64_t i = 0; i < count; ++i)
+      decoder_layer<T>(s, s.layers[first + i], h, buf, cos, sin, k_caches[i], v_caches[i], slots, block_tables,
+                       seq_lens, query_start_loc, invariant);
   };
-  if (h.scalar_type() == at::kFloat) return run(float{});
+  if (dt == at::kFloat) return run(float{});
 #if PL_AVX512_BF16
   run(Bf16{});
 #endif
 #endif
 }
 
-void decoder_layer_bf16(at::Tensor h, const at::Tensor& input_norm, const at::Tensor& qkv_w,
-                        const std::optional<at::Tensor>& qkv_b, const std::optional<at::Tensor>& q_norm,
-                        const std::optional<at::Tensor>& k_norm, const at::Tensor& o_w,
-                        const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
-                        const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
-                        bool invariant) {
-  const auto dense = [](const at::Tensor& w) { return LinearWeight{{w}, {kDense}}; };
-  TORCH_CHECK(h.scalar_type() == at::kBFloat16, "decoder_layer_bf16: h must be bf16");
-  decoder_layer_any(h, input_norm, dense(qkv_w), qkv_b, q_norm, k_norm, dense(o_w), o_b, post_norm, dense(gate_up_w),
-                    dense(down_w), cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                    num_heads, eps, scale, invariant);
-}
-
-// The layer with segmented weights (LinearWeight): GGUF blocks run as stored, dense segments as above; h bf16 or
-// fp32.
-void decoder_layer_quant(at::Tensor h, const at::Tensor& input_norm, std::vector<at::Tensor> qkv_segs,
-                         std::vector<int64_t> qkv_types, const std::optional<at::Tensor>& qkv_b,
-                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                         std::vector<at::Tensor> o_segs, std::vector<int64_t> o_types,
-                         const std::optional<at::Tensor>& o_b, const at::Tensor& post_norm,
-                         std::vector<at::Tensor> gate_up_segs, std::vector<int64_t> gate_up_types,
-                         std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types, const at::Tensor& cos,
-                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, int64_t num_heads, double eps, double scale,
-                         bool invariant) {
-  decoder_layer_any(h, input_norm, {qkv_segs, qkv_types}, qkv_b, q_norm, k_norm, {o_segs, o_types}, o_b, post_norm,
-                    {gate_up_segs, gate_up_types}, {down_segs, down_types}, cos, sin, k_cache, v_cache, slot_mapping,
-                    block_tables, seq_lens, query_start_loc, num_heads, eps, scale, invariant);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
-  m.def("decoder_layer_bf16", &decoder_layer_bf16);
-  m.def("decoder_layer_quant", &decoder_layer_quant);
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("__len__", &DecoderStack::size);
+  m.def("decoder_stack", &decoder_stack);
 }
