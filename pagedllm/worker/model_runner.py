@@ -117,5 +117,6 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size), hidden
         if self._logits.shape[0] < len(logit_rows):
             self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32)
-        rows = torch.tensor(logit_rows, dtype=torch.int64)
-        return self.model.compute_logits(hidden[rows], out=self._logits[:len(logit_rows)]), hidden
+        # logit rows are increasing and distinct: as many as the tokens means every token (a decode step), no gather
+        rows = hidden if len(logit_rows) == len(hidden) else hidden[torch.tensor(logit_rows, dtype=torch.int64)]
+        return self.model.compute_logits(rows, out=self._logits[:len(logit_rows)]), hidden
