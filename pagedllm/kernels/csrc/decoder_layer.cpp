@@ -210,8 +210,8 @@ bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : 
 
 // A stack of decoder layers whose weights are bound once (DecoderStack.add_layer, at the model's first fused
 // forward): a step calls decoder_stack once for all layers with only activations, caches and metadata. Passing
-// each layer's ~27 arguments through the dispatcher cost ~45 us a layer with warm caches and ~120 us after a
-// layer's weights had streamed through them: 5-13% of a decode step.
+// each layer's ~27 arguments through the dispatcher, after the layer before had streamed its weights through the
+// caches, cost a large share of a small model's decode step (BENCHMARKS.md, issue 29).
 struct LayerWeights {
   at::Tensor input_norm, post_norm;
   LinearWeight qkv, o, gate_up, down;
@@ -261,7 +261,6 @@ struct DecoderStack : torch::CustomClassHolder {
 
 #if PL_AVX512
 // The per-step buffers of one call, shared by its layers.
-template <typename T>
 struct Scratch {
   at::Tensor x, qkv, attn, proj, gate_up, act;
   Scratch(const DecoderStack& s, int64_t M, const at::TensorOptions& o)
@@ -276,7 +275,7 @@ struct Scratch {
 // h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
 // at slots before attention reads them. invariant: batch-invariant GEMMs and attention (KernelMode).
 template <typename T>
-void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, Scratch<T>& buf, const at::Tensor& cos,
+void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, Scratch& buf, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    bool invariant) {
@@ -362,7 +361,7 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
 #if PL_AVX512
   const auto run = [&](auto tag) {
     using T = decltype(tag);
-    Scratch<T> buf(s, M, h.options());
+    Scratch buf(s, M, h.options());
     for (int64_t i = 0; i < count; ++i)
       decoder_layer<T>(s, s.layers[first + i], h, buf, cos, sin, k_caches[i], v_caches[i], slots, block_tables,
                        seq_lens, query_start_loc, invariant);

@@ -177,8 +177,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 
   // Small batches run on the calling thread: waking a second thread costs microseconds on a quiet machine and
   // milliseconds on a busy one. Work is counted in (key x query row) pairs. A decode token's attention over a
-  // context of ~100 keys already pays for it (the KV rows come from memory: 1.02 -> 0.78 ms a step on the 135M
-  // model's 30 layers, 1.5B 0.85 -> 0.77 ms, with 8,192 pairs before).
+  // context of a few hundred keys already pays for it: its KV rows come from memory (BENCHMARKS.md, issue 29).
   int64_t total = 0;
   for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * item_rows(p, it);
   const int64_t threads = std::clamp<int64_t>(total / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
