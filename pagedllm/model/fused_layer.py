@@ -45,8 +45,8 @@ def fused_layer_op(model, h: torch.Tensor, kv_caches: list[KVCache]) -> Callable
 
 def run_fused_layers(op: Callable, model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      kv_caches: list[KVCache], meta: AttentionMetadata | list[AttentionMetadata]) -> None:
-    """h through every decoder layer, in place: one op call for each run of layers that share their attention
-    metadata (all the layers but where KV groups give each its own)."""
+    """h through every decoder layer and the final norm, in place: one op call for each run of layers that share
+    their attention metadata (all the layers but where KV groups give each its own)."""
     metas = per_layer(meta, len(model.layers))
     stack, invariant = _bound_stack(model), dispatch.current_mode().invariant
     first = 0
@@ -68,7 +68,8 @@ def _bound_stack(model):
     if stack is None:
         cfg, attn = model.config, model.layers[0].attn
         stack = dispatch.kernel_class("DecoderStack")(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                      cfg.intermediate_size, cfg.rms_norm_eps, attn.scale)
+                                                      cfg.intermediate_size, cfg.rms_norm_eps, attn.scale,
+                                                      model.norm.weight)
         for layer in model.layers:
             stack.add_layer(*layer.fused_weights())
         model._decoder_stack = stack

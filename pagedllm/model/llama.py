@@ -65,9 +65,9 @@ class LlamaForCausalLM(CausalLM):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, self.dtype)
         fused = fused_layer_op(self, h, kv_caches)
-        if fused is not None:  # every layer in C++, h updated in place
+        if fused is not None:  # every layer and the final norm in C++, h updated in place
             run_fused_layers(fused, self, h, cos, sin, kv_caches, meta)
-        else:
-            for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
-                h = layer(h, cos, sin, kv, m, self.attn_backend)
+            return h
+        for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
+            h = layer(h, cos, sin, kv, m, self.attn_backend)
         return self.norm(h)

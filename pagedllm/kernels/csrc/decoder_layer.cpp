@@ -221,14 +221,18 @@ struct LayerWeights {
 struct DecoderStack : torch::CustomClassHolder {
   int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
   double eps, scale;
+  at::Tensor final_norm;  // the model's norm after the last layer
   std::vector<LayerWeights> layers;
 
   DecoderStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
-               double eps, double scale)
+               double eps, double scale, at::Tensor final_norm)
       : hidden(hidden), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), inter(inter),
-        eps(eps), scale(scale) {
+        eps(eps), scale(scale), final_norm(final_norm) {
     TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && inter > 0 &&
                     num_heads % num_kv_heads == 0, "DecoderStack: bad shape");
+    TORCH_CHECK(has_layer(final_norm.scalar_type()), "DecoderStack: this build has no layer for ",
+                final_norm.scalar_type());
+    check_weight(final_norm, hidden, 0, final_norm.scalar_type(), "final_norm");
   }
 
   // Checks every weight against the stack's shape; (segs, types): LinearWeight (dense: one segment of type 0).
@@ -252,7 +256,8 @@ struct DecoderStack : torch::CustomClassHolder {
     if (w.o_b) check_weight(*w.o_b, H, 0, dt, "o_bias");
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "DecoderStack: q_norm and k_norm go together");
     if (w.q_norm) check_weight(*w.q_norm, d, 0, dt, "q_norm"), check_weight(*w.k_norm, d, 0, dt, "k_norm");
-    TORCH_CHECK(layers.empty() || dt == layers[0].input_norm.scalar_type(), "DecoderStack: layers of two dtypes");
+    TORCH_CHECK(dt == final_norm.scalar_type(), "DecoderStack: a layer of ", dt, " in a ",
+                final_norm.scalar_type(), " stack");
     layers.push_back(std::move(w));
   }
 
@@ -321,8 +326,9 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
 #endif
 
 // Layers first .. first + len(k_caches) - 1 of the stack over h [M, H] (updated in place), layer i's K/V caches
-// k_caches[i - first], v_caches[i - first], all with the same attention metadata; h's dtype picks the layer
-// (float, or bf16 where the build has avx512_bf16) and must be the weights'.
+// k_caches[i - first], v_caches[i - first], all with the same attention metadata, then the final norm if the last
+// layer was among them; h's dtype picks the layer (float, or bf16 where the build has avx512_bf16) and must be the
+// weights'.
 void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, const at::Tensor& cos,
                    const at::Tensor& sin, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -334,8 +340,8 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
   TORCH_CHECK(first >= 0 && first + count <= s.size() && v_caches.size() == k_caches.size(),
               "decoder_stack: layers ", first, "..", first + count, " of ", s.size(), " with ", v_caches.size(),
               " V caches");
-  TORCH_CHECK(count == 0 || s.layers[first].input_norm.scalar_type() == dt,
-              "decoder_stack: h is ", dt, ", the weights ", s.layers[first].input_norm.scalar_type());
+  TORCH_CHECK(s.final_norm.scalar_type() == dt, "decoder_stack: h is ", dt, ", the weights ",
+              s.final_norm.scalar_type());
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) == s.hidden,
               "decoder_stack: h must be contiguous [tokens, ", s.hidden, "]");
   const int64_t M = h.size(0), d = s.head_dim;
@@ -365,6 +371,11 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
     for (int64_t i = 0; i < count; ++i)
       decoder_layer<T>(s, s.layers[first + i], h, buf, cos, sin, k_caches[i], v_caches[i], slots, block_tables,
                        seq_lens, query_start_loc, invariant);
+    if (count > 0 && first + count == s.size()) {
+      T* hp = data<T>(h);
+      const float epsf = static_cast<float>(s.eps);
+      for_rows(M, [&](int64_t m) { rms_norm(hp + m * s.hidden, data<T>(s.final_norm), hp + m * s.hidden, s.hidden, epsf); });
+    }
   };
   if (dt == at::kFloat) return run(float{});
 #if PL_AVX512_BF16
@@ -377,7 +388,7 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("__len__", &DecoderStack::size);
   m.def("decoder_stack", &decoder_stack);
