@@ -235,14 +235,13 @@ struct DecoderStack : torch::CustomClassHolder {
     check_weight(final_norm, hidden, 0, final_norm.scalar_type(), "final_norm");
   }
 
-  // Checks every weight against the stack's shape; (segs, types): LinearWeight (dense: one segment of type 0).
+  // Checks every weight against the stack's shape and dtype; (segs, types): LinearWeight (dense: one segment of type 0).
   void add_layer(at::Tensor input_norm, std::vector<at::Tensor> qkv_segs, std::vector<int64_t> qkv_types,
                  std::optional<at::Tensor> qkv_b, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                  std::vector<at::Tensor> o_segs, std::vector<int64_t> o_types, std::optional<at::Tensor> o_b,
                  at::Tensor post_norm, std::vector<at::Tensor> gate_up_segs, std::vector<int64_t> gate_up_types,
                  std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types) {
-    const at::ScalarType dt = input_norm.scalar_type();
-    TORCH_CHECK(has_layer(dt), "DecoderStack: this build has no layer for ", dt);
+    const at::ScalarType dt = final_norm.scalar_type();  // every weight is of the stack's dtype
     const int64_t H = hidden, d = head_dim, q_size = num_heads * d, qkv_size = q_size + 2 * num_kv_heads * d;
     LayerWeights w{input_norm, post_norm, {qkv_segs, qkv_types}, {o_segs, o_types}, {gate_up_segs, gate_up_types},
                    {down_segs, down_types}, qkv_b, o_b, q_norm, k_norm};
@@ -256,8 +255,6 @@ struct DecoderStack : torch::CustomClassHolder {
     if (w.o_b) check_weight(*w.o_b, H, 0, dt, "o_bias");
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "DecoderStack: q_norm and k_norm go together");
     if (w.q_norm) check_weight(*w.q_norm, d, 0, dt, "q_norm"), check_weight(*w.k_norm, d, 0, dt, "k_norm");
-    TORCH_CHECK(dt == final_norm.scalar_type(), "DecoderStack: a layer of ", dt, " in a ",
-                final_norm.scalar_type(), " stack");
     layers.push_back(std::move(w));
   }
 
@@ -345,13 +342,6 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) == s.hidden,
               "decoder_stack: h must be contiguous [tokens, ", s.hidden, "]");
   const int64_t M = h.size(0), d = s.head_dim;
-  for (int64_t i = 0; i < count; ++i) {
-    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
-    TORCH_CHECK(kc.scalar_type() == dt && kc.dim() == 4 && kc.is_contiguous() && kc.size(2) == s.num_kv_heads &&
-                    kc.size(3) == d && vc.is_contiguous() && vc.sizes() == kc.sizes() && vc.scalar_type() == dt,
-                "decoder_stack: K/V caches must be contiguous ", dt, " [blocks, block_size, ", s.num_kv_heads,
-                ", ", d, "]");
-  }
   TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == M * d && sin.numel() == M * d,
               "decoder_stack: cos/sin must be contiguous ", dt, " with tokens x head_dim elements");
@@ -360,7 +350,12 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
               "decoder_stack: slot_mapping must be contiguous int64 [tokens]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t num_slots = k_caches[i].size(0) * k_caches[i].size(1);
+    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+    TORCH_CHECK(kc.scalar_type() == dt && kc.dim() == 4 && kc.is_contiguous() && kc.size(2) == s.num_kv_heads &&
+                    kc.size(3) == d && vc.is_contiguous() && vc.sizes() == kc.sizes() && vc.scalar_type() == dt,
+                "decoder_stack: K/V caches must be contiguous ", dt, " [blocks, block_size, ", s.num_kv_heads,
+                ", ", d, "]");
+    const int64_t num_slots = kc.size(0) * kc.size(1);
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_stack: slot ", slots[m], " out of range");
   }
@@ -371,10 +366,10 @@ void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
     for (int64_t i = 0; i < count; ++i)
       decoder_layer<T>(s, s.layers[first + i], h, buf, cos, sin, k_caches[i], v_caches[i], slots, block_tables,
                        seq_lens, query_start_loc, invariant);
-    if (count > 0 && first + count == s.size()) {
+    if (count > 0 && first + count == s.size()) {  // the model's final norm, in place
       T* hp = data<T>(h);
-      const float epsf = static_cast<float>(s.eps);
-      for_rows(M, [&](int64_t m) { rms_norm(hp + m * s.hidden, data<T>(s.final_norm), hp + m * s.hidden, s.hidden, epsf); });
+      const int64_t H = s.hidden;
+      for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data<T>(s.final_norm), hp + m * H, H, float(s.eps)); });
     }
   };
   if (dt == at::kFloat) return run(float{});
