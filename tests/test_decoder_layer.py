@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pagedllm.attention import build_attention_metadata
-from pagedllm.kernels import dispatch, kernel_mode, kernel_op
+from pagedllm.kernels import dispatch, kernel_mode
 from pagedllm.model import ModelConfig, allocate_kv_caches
-from pagedllm.model.fused_layer import fused_layer_op
+from pagedllm.model.fused_layer import fuses_layers
 from pagedllm.model.llama import LlamaForCausalLM
 
 BLOCK = 16
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("batch_dependent_kernels")
 
 
 def random_model(name: str, seed: int) -> LlamaForCausalLM:
-    if kernel_op("decoder_stack") is None or not dispatch.has(dispatch.AVX512_BF16):
+    if dispatch.kernel_class("DecoderStack") is None or not dispatch.has(dispatch.AVX512_BF16):
         pytest.skip("no avx512_bf16 kernels on this CPU")
     cfg = ModelConfig(architecture="llama", num_layers=2, vocab_size=300, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, **CONFIGS[name])
@@ -80,7 +80,7 @@ def test_fused_layers_match_torch_layers(name, context_lens, new):
         caches.pool.copy_(pool_before)
         model.fused_layers = fused
         if fused:
-            assert fused_layer_op(model, torch.empty(sum(new), 1, dtype=torch.bfloat16), caches) is not None
+            assert fuses_layers(model, torch.empty(sum(new), 1, dtype=torch.bfloat16), caches)
         hidden = model(ids, positions, caches, meta).float()
         results[fused] = hidden, caches.pool.clone().float()
     (h_ref, kv_ref), (h_fused, kv_fused) = results[False], results[True]
@@ -98,18 +98,18 @@ def test_fused_path_only_for_bf16_on_the_cpu_kernel():
     model = random_model("smollm2-shaped", 1)
     caches = allocate_kv_caches(model.config, BLOCK, torch.bfloat16, num_blocks=4)
     h = torch.empty(1, 192, dtype=torch.bfloat16)
-    assert fused_layer_op(model, h, caches) is not None
-    assert fused_layer_op(model, torch.empty(500, 192, dtype=torch.bfloat16), caches) is not None
-    assert fused_layer_op(model, h.float(), caches) is None
+    assert fuses_layers(model, h, caches)
+    assert fuses_layers(model, torch.empty(500, 192, dtype=torch.bfloat16), caches)
+    assert not fuses_layers(model, h.float(), caches)
     model.fused_layers = False
-    assert fused_layer_op(model, h, caches) is None
+    assert not fuses_layers(model, h, caches)
     model.fused_layers = True
     with kernel_mode(invariant=True):  # its GEMMs switch kernels with the row count: not in invariant mode
-        assert fused_layer_op(model, h, caches) is None
+        assert not fuses_layers(model, h, caches)
     with kernel_mode(portable=True):  # the portable attention path: the torch layers
-        assert fused_layer_op(model, h, caches) is None
+        assert not fuses_layers(model, h, caches)
     model.set_attention_backend("reference")
-    assert fused_layer_op(model, h, caches) is None
+    assert not fuses_layers(model, h, caches)
 
 
 def test_bad_slot_is_an_error_not_a_write_out_of_bounds():

@@ -240,9 +240,9 @@ def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_depend
     """One-token bf16 steps on the C++ backend: where the CPU has avx512_bf16 they run the fused decoder layer
     (decoder_layer.cpp), the prefill before them the torch layers."""
     from pagedllm.kernels import dispatch
-    from pagedllm.model.fused_layer import fused_layer_op
+    from pagedllm.model.fused_layer import fuses_layers
 
-    if dispatch.kernel_op("decoder_stack") is None or not dispatch.has(dispatch.AVX512_BF16):
+    if dispatch.kernel_class("DecoderStack") is None or not dispatch.has(dispatch.AVX512_BF16):
         pytest.skip("no avx512_bf16 kernels on this CPU")
     hf16 = pair.hf.to(torch.bfloat16)
     try:
@@ -250,7 +250,7 @@ def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_depend
         toks = _rand_tokens(random.Random(11), 26)
         runner = PagedRunner(ours, dtype=torch.bfloat16, seed=3)
         if ours.config.architecture != "gemma3" and ours.config.sliding_window is None:  # else torch layers
-            assert fused_layer_op(ours.model, torch.empty(1, 1, dtype=torch.bfloat16), runner.kv) is not None
+            assert fuses_layers(ours.model, torch.empty(1, 1, dtype=torch.bfloat16), runner.kv)
         seq = Seq(toks)
         runner.step([(seq, 18)])
         got = torch.cat([runner.step([(seq, 1)])[0] for _ in range(8)])

@@ -109,11 +109,11 @@ def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
     """The fused C++ decoder layer on quantized segments (C++ attention) against the same model's torch layers:
     same kernels for the linears, so close to the dtype's rounding (and the int8 activations' re-rounding)."""
     from pagedllm.kernels import dispatch
-    from pagedllm.model.fused_layer import fused_layer_op
+    from pagedllm.model.fused_layer import fuses_layers
 
     if dtype == torch.bfloat16 and not dispatch.has(dispatch.AVX512_BF16):
         pytest.skip("no avx512_bf16 fused layer on this build")
-    if dispatch.kernel_op("decoder_stack") is None:
+    if dispatch.kernel_class("DecoderStack") is None:
         pytest.skip("no AVX-512 fused layer on this build")
     path = _file(gguf_dir, "Q4_K_M")
     m = load_model(path, dtype, attention_backend="cpu", load_tokenizer=False, quantization="auto")
@@ -121,7 +121,7 @@ def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
     tokens = list(range(11, 40))
     with kernel_mode(invariant=dtype == torch.float32):  # the fp32 layer also runs batch-invariant; the bf16 one does not
         h = torch.empty(len(tokens), m.config.hidden_size, dtype=dtype)
-        assert fused_layer_op(m.model, h, allocate_kv_caches(m.config, 16, dtype, num_blocks=4)) is not None
+        assert fuses_layers(m.model, h, allocate_kv_caches(m.config, 16, dtype, num_blocks=4))
         fused = _prefill_logits(m, tokens, dtype)
         m.model.fused_layers = False
         plain = _prefill_logits(m, tokens, dtype)
@@ -130,13 +130,14 @@ def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
 
 
 def test_fused_stack_in_runs_of_layers_is_the_same_as_in_one_call(gguf_dir):
-    """Layers that get their own attention metadata (KV groups) run in one decoder_stack call per run of layers
-    (`first` picks them): the same bits as all layers in one call. The op rejects what does not fit the stack."""
+    """Layers that get their own attention metadata (KV groups) run in one DecoderStack call per run of layers
+    (`first`, `count` pick them): the same bits as all layers in one call. The call rejects what does not fit the
+    stack."""
     import dataclasses
 
     from pagedllm.kernels import dispatch
 
-    if dispatch.kernel_op("decoder_stack") is None:
+    if dispatch.kernel_class("DecoderStack") is None:
         pytest.skip("no AVX-512 fused layer on this build")
     m = load_model(_file(gguf_dir, "Q4_K_M", "qwen2"), torch.float32, attention_backend="cpu", load_tokenizer=False,
                    quantization="auto")
@@ -153,19 +154,22 @@ def test_fused_stack_in_runs_of_layers_is_the_same_as_in_one_call(gguf_dir):
     (h1, kv1), (hn, kvn) = results
     assert torch.equal(h1, hn) and torch.equal(kv1, kvn)
 
-    op, stack = dispatch.kernel_op("decoder_stack"), m.model._decoder_stack
+    stack = m.model._decoder_stack
     h = torch.randn(2, m.config.hidden_size, generator=g)
     cos = sin = torch.ones(2, m.config.head_dim)
     kv = allocate_kv_caches(m.config, BS, torch.float32, num_blocks=4)
-    k, v = [c[0] for c in kv], [c[1] for c in kv]
     args = (torch.tensor([0, 1]), torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
             torch.tensor([0, 2], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="layers 1..3 of 2"):
-        op(stack, h, cos, sin, k, v, *args, 1, True)
+        stack.forward(h, cos, sin, kv.pool, kv.pool_rows, *args, 1, 2, True)
     with pytest.raises(RuntimeError, match="BFloat16"):  # weights of another dtype (or no bf16 layer)
-        op(stack, h.bfloat16(), cos.bfloat16(), sin.bfloat16(), k, v, *args, 0, True)
+        stack.forward(h.bfloat16(), cos.bfloat16(), sin.bfloat16(), kv.pool, kv.pool_rows, *args, 0, n, True)
     with pytest.raises(RuntimeError, match="slot 99 out of range"):
-        op(stack, h, cos, sin, k, v, torch.tensor([0, 99]), *args[1:], 0, True)
+        stack.forward(h, cos, sin, kv.pool, kv.pool_rows, torch.tensor([0, 99]), *args[1:], 0, n, True)
+    with pytest.raises(RuntimeError, match="layer 1's pool row 7 out of range"):
+        stack.forward(h, cos, sin, kv.pool, torch.tensor([0, 7]), *args, 0, n, True)
+    with pytest.raises(RuntimeError, match="KV pool must be contiguous"):
+        stack.forward(h, cos, sin, kv.pool[:, :1], kv.pool_rows, *args, 0, n, True)
 
 
 def _mix(shape_name: str) -> dict[str, int]:

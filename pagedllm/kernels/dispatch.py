@@ -2,8 +2,9 @@
 
 - `capabilities()`: what this build of the extension can run (csrc/capabilities.cpp: its instruction sets and
   the sizes they cover), asked once; empty where the extension could not be built.
-- `kernel_op(name)`: the extension's op, or None where this build lacks what the op needs (`OP_NEEDS`) or has no
-  extension at all; the caller keeps its torch path then. No op is ever called on a build that cannot run it.
+- `kernel_op(name)` / `kernel_class(name)`: the extension's op or TorchScript class, or None where this build lacks
+  what it needs (`OP_NEEDS`) or has no extension at all; the caller keeps its torch path then. No op is ever called
+  on a build that cannot run it.
 - `KernelMode`: how a step's kernels may compute (batch-invariant arithmetic; the portable attention path). The
   model runner sets it for each forward (`forward_context`); kernels read it with `current_mode()`. Code that
   calls kernels outside a forward (tests, benches) gets `DEFAULT_MODE` or sets one with `kernel_mode(...)`.
@@ -28,11 +29,11 @@ AVX512 = "avx512"            # the fp32 vector paths and the fused fp32 layer
 AVX512_BF16 = "avx512_bf16"  # the bf16 small GEMM, the fused bf16 layer, the bf16 attention paths
 VNNI = "vnni"                # int8 dot products: the quantized GEMMs' fast paths, int8-KV attention on integers
 
-# Ops that exist in every build but run only where the build has a capability (the others run everywhere:
-# each has a portable form).
+# Ops and classes that exist in every build but run only where the build has a capability (the others run
+# everywhere: each has a portable form).
 OP_NEEDS: dict[str, str] = {
     "small_gemm_bf16": AVX512_BF16,
-    "decoder_stack": AVX512,  # its bf16 form needs AVX512_BF16 too: fused_layer.fused_layer_op checks
+    "DecoderStack": AVX512,  # its bf16 form needs AVX512_BF16 too: fused_layer.fuses_layers checks
 }
 
 
@@ -82,19 +83,23 @@ def has(capability: str) -> bool:
     return bool(capabilities().get(capability, 0))
 
 
+def _runs(name: str) -> bool:
+    """The extension is built and has what op or class `name` needs (OP_NEEDS)."""
+    needs = OP_NEEDS.get(name)
+    return bool(capabilities()) and (needs is None or has(needs))
+
+
 @cache
 def kernel_op(name: str) -> Any:
     """The extension's op `name`, or None where the extension is not built or lacks what the op needs."""
-    if not capabilities():
-        return None
-    needs = OP_NEEDS.get(name)
-    if needs is not None and not has(needs):
-        return None
-    return getattr(load_ops(), name)
+    return getattr(load_ops(), name) if _runs(name) else None
 
 
+@cache
 def kernel_class(name: str) -> Any:
-    """The extension's TorchScript class `name` (torch.classes.pagedllm_cpu), loading the extension first."""
+    """The extension's TorchScript class `name` (torch.classes.pagedllm_cpu), or None like kernel_op."""
+    if not _runs(name):
+        return None
     load_ops()
     return getattr(torch.classes.pagedllm_cpu, name)
 

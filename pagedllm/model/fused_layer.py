@@ -1,11 +1,11 @@
-"""Whether a forward runs the decoder layers as one C++ call (csrc/decoder_layer.cpp: decoder_stack), and running
+"""Whether a forward runs the decoder layers as one C++ call (csrc/decoder_layer.cpp: DecoderStack.forward), and running
 them: the one place that decides. The parts it reads are declarations: the architecture's (registry: its layer is
 the fused one, for these config features), each Linear method's (it keeps a weight the op can read), the attention
 backend's (its kernel is the op's), and the build's capabilities (kernels/dispatch.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -13,7 +13,7 @@ from pagedllm.attention.metadata import AttentionMetadata, per_layer
 from pagedllm.kernels import dispatch
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.kv_cache import KVCache
+from pagedllm.model.kv_cache import KVCache, KVCacheList
 from pagedllm.model.linear import Linear
 
 
@@ -24,28 +24,28 @@ def can_fuse(cfg: ModelConfig, linears: Iterable[Linear]) -> bool:
             and all(lin.method.runs_fused_layer for lin in linears))
 
 
-def fused_layer_op(model, h: torch.Tensor, kv_caches: list[KVCache]) -> Callable | None:
-    """The decoder_stack op for this forward, or None (the model runs its torch layers):
+def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
+    """Whether this forward runs its layers as one DecoderStack call (else the model runs its torch layers):
     - bf16 (weights dense or quantized) where the build has avx512_bf16, but never in batch-invariant mode: its
       dense GEMMs switch kernels with the row count;
     - fp32 with quantized weights (segments) where the build has AVX-512: batch-invariant as its torch layers are.
     Always: the model allows it (`model.fused_layers`, can_fuse), the attention backend is the C++ kernel on its
-    vector paths, and the KV pool holds the compute dtype (the op writes K/V itself)."""
+    vector paths, and the caches are views of one KV pool of the compute dtype (the op writes K/V itself, and
+    takes the pool whole: kv_cache.allocate_kv_caches)."""
     mode = dispatch.current_mode()
-    op = dispatch.kernel_op("decoder_stack")
-    if not (op is not None and model.fused_layers and model._fused_capable and h.shape[0] > 0 and kv_caches
-            and not mode.portable and kv_caches[0][0].dtype == h.dtype
+    if not (dispatch.kernel_class("DecoderStack") is not None and model.fused_layers and model._fused_capable
+            and h.shape[0] > 0 and kv_caches
+            and not mode.portable and kv_caches[0][0].dtype == h.dtype and hasattr(kv_caches, "pool")
             and getattr(model.attn_backend, "runs_fused_layers", False)):
-        return None
+        return False
     if h.dtype == torch.bfloat16:
-        return None if mode.invariant or not dispatch.has(dispatch.AVX512_BF16) else op
-    segmented = any(lin.method.segmented for lin in model.layers[0].linears())
-    return op if h.dtype == torch.float32 and segmented else None
+        return not mode.invariant and dispatch.has(dispatch.AVX512_BF16)
+    return h.dtype == torch.float32 and any(lin.method.segmented for lin in model.layers[0].linears())
 
 
-def run_fused_layers(op: Callable, model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv_caches: list[KVCache], meta: AttentionMetadata | list[AttentionMetadata]) -> None:
-    """h through every decoder layer and the final norm, in place: one op call for each run of layers that share
+def run_fused_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_caches: KVCacheList, meta: AttentionMetadata | list[AttentionMetadata]) -> None:
+    """h through every decoder layer and the final norm, in place: one stack call for each run of layers that share
     their attention metadata (all the layers but where KV groups give each its own)."""
     metas = per_layer(meta, len(model.layers))
     stack, invariant = _bound_stack(model), dispatch.current_mode().invariant
@@ -55,15 +55,14 @@ def run_fused_layers(op: Callable, model, h: torch.Tensor, cos: torch.Tensor, si
         while end < len(metas) and metas[end] is metas[first]:
             end += 1
         m = metas[first]
-        op(stack, h, cos, sin, [kv_caches[i][0] for i in range(first, end)],
-           [kv_caches[i][1] for i in range(first, end)], m.slot_mapping, m.block_tables, m.seq_lens,
-           m.query_start_loc, first, invariant)
+        stack.forward(h, cos, sin, kv_caches.pool, kv_caches.pool_rows, m.slot_mapping, m.block_tables,
+                      m.seq_lens, m.query_start_loc, first, end - first, invariant)
         first = end
 
 
 def _bound_stack(model):
     """The model's DecoderStack: every layer's weights bound once, at its first fused forward (the Parameters stay
-    the same objects when weights are loaded, only their data changes, and the op reads them through them)."""
+    the same objects when weights are loaded, only their data changes, and the stack reads them through them)."""
     stack = getattr(model, "_decoder_stack", None)
     if stack is None:
         cfg, attn = model.config, model.layers[0].attn

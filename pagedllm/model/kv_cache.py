@@ -31,10 +31,12 @@ class KVCacheList(list):
     [layers_per_block, 2, num_blocks, block_size, num_kv_heads, row] they are views of (row = head_dim, or
     head_dim + 2 for int8 rows with their scale), so that block copies can touch every layer in one indexed copy.
     With KV groups (core/kv_groups.py) layers_per_block is the group size: layer l uses pool[its position in its
-    group] through its group's block tables (layer_group[l] = its group)."""
+    group] through its group's block tables (layer_group[l] = its group; pool_rows[l] = its row of the pool, int64,
+    which the fused layers' op takes with the pool instead of a list of caches)."""
 
     pool: torch.Tensor
     layer_group: list[int]
+    pool_rows: torch.Tensor
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
@@ -82,6 +84,7 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     caches = KVCacheList((pool[p, 0], pool[p, 1]) for _, p in where)
     caches.pool = pool
     caches.layer_group = [g for g, _ in where]
+    caches.pool_rows = torch.tensor([p for _, p in where], dtype=torch.int64)
     return caches
 
 

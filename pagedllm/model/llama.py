@@ -13,7 +13,7 @@ from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.attention.metadata import per_layer
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.fused_layer import can_fuse, fused_layer_op, run_fused_layers
+from pagedllm.model.fused_layer import can_fuse, fuses_layers, run_fused_layers
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model.linear import Linear, LinearMethod
@@ -64,9 +64,8 @@ class LlamaForCausalLM(CausalLM):
         """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, self.dtype)
-        fused = fused_layer_op(self, h, kv_caches)
-        if fused is not None:  # every layer and the final norm in C++, h updated in place
-            run_fused_layers(fused, self, h, cos, sin, kv_caches, meta)
+        if fuses_layers(self, h, kv_caches):  # every layer and the final norm in C++, h updated in place
+            run_fused_layers(self, h, cos, sin, kv_caches, meta)
             return h
         for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
             h = layer(h, cos, sin, kv, m, self.attn_backend)

@@ -21,7 +21,7 @@ Segment = QuantTensor | torch.Tensor
 class QuantizedLinearMethod(LinearMethod):
     """GGUF blocks as stored; with quantize_floats, float shards become Q8_0 at load (the int8 mode)."""
 
-    runs_fused_layer = True  # through decoder_stack, which takes fused_segments()
+    runs_fused_layer = True  # through DecoderStack, which takes fused_segments()
     segmented = True
 
     def __init__(self, quantize_floats: bool = False):

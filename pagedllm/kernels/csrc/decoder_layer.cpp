@@ -1,4 +1,4 @@
-// A model's Llama decoder layers in one call (decoder_stack), for bf16 models and fp32 models with quantized
+// A model's Llama decoder layers in one call (DecoderStack.forward), for bf16 models and fp32 models with quantized
 // weights on the C++ attention backend (the element type T is Bf16 or float; pointwise stages round as torch does
 // in that type).
 //
@@ -209,7 +209,7 @@ void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarTyp
 bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : dtype == at::kBFloat16 && PL_AVX512_BF16; }
 
 // A stack of decoder layers whose weights are bound once (DecoderStack.add_layer, at the model's first fused
-// forward): a step calls decoder_stack once for all layers with only activations, caches and metadata. Passing
+// forward): a step calls DecoderStack.forward once for all layers with only activations, caches and metadata. Passing
 // each layer's ~27 arguments through the dispatcher, after the layer before had streamed its weights through the
 // caches, cost a large share of a small model's decode step (BENCHMARKS.md, issue 29).
 struct LayerWeights {
@@ -322,50 +322,56 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
 }
 #endif
 
-// Layers first .. first + len(k_caches) - 1 of the stack over h [M, H] (updated in place), layer i's K/V caches
-// k_caches[i - first], v_caches[i - first], all with the same attention metadata, then the final norm if the last
-// layer was among them; h's dtype picks the layer (float, or bf16 where the build has avx512_bf16) and must be the
-// weights'.
-void decoder_stack(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, const at::Tensor& cos,
-                   const at::Tensor& sin, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+// Layers first .. first + count - 1 of the stack over h [M, H] (updated in place), all with the same attention
+// metadata, then the final norm if the last layer was among them. kv_pool is the KV pool, [pool rows, 2 (K, V),
+// blocks, block_size, KV heads, head_dim], and layer i's caches are kv_pool[pool_rows[i]] (pool_rows: int64, one per
+// layer of the stack; with KV groups layers share rows). The pool is passed whole, not as per-layer lists: the
+// dispatcher converted two lists of a tensor per layer on every call (~0.2 ms a step, BENCHMARKS.md issue 29).
+// h's dtype picks the layer (float, or bf16 where the build has avx512_bf16) and must be the weights'.
+void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& kv_pool, const at::Tensor& pool_rows,
                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const at::Tensor& query_start_loc, int64_t first, bool invariant) {
+                   const at::Tensor& query_start_loc, int64_t first, int64_t count, bool invariant) {
   const DecoderStack& s = *stack;
   const at::ScalarType dt = h.scalar_type();
-  TORCH_CHECK(has_layer(dt), "decoder_stack: this build has no layer for ", dt, " (the model runs its torch layers)");
-  const int64_t count = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(first >= 0 && first + count <= s.size() && v_caches.size() == k_caches.size(),
-              "decoder_stack: layers ", first, "..", first + count, " of ", s.size(), " with ", v_caches.size(),
-              " V caches");
-  TORCH_CHECK(s.final_norm.scalar_type() == dt, "decoder_stack: h is ", dt, ", the weights ",
+  TORCH_CHECK(has_layer(dt), "DecoderStack.forward: this build has no layer for ", dt, " (the model runs its torch layers)");
+  TORCH_CHECK(first >= 0 && count >= 0 && first + count <= s.size(), "DecoderStack.forward: layers ", first, "..",
+              first + count, " of ", s.size());
+  TORCH_CHECK(s.final_norm.scalar_type() == dt, "DecoderStack.forward: h is ", dt, ", the weights ",
               s.final_norm.scalar_type());
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) == s.hidden,
-              "decoder_stack: h must be contiguous [tokens, ", s.hidden, "]");
+              "DecoderStack.forward: h must be contiguous [tokens, ", s.hidden, "]");
   const int64_t M = h.size(0), d = s.head_dim;
   TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == M * d && sin.numel() == M * d,
-              "decoder_stack: cos/sin must be contiguous ", dt, " with tokens x head_dim elements");
+              "DecoderStack.forward: cos/sin must be contiguous ", dt, " with tokens x head_dim elements");
+  TORCH_CHECK(kv_pool.scalar_type() == dt && kv_pool.dim() == 6 && kv_pool.is_contiguous() && kv_pool.size(1) == 2 &&
+                  kv_pool.size(4) == s.num_kv_heads && kv_pool.size(5) == d,
+              "DecoderStack.forward: the KV pool must be contiguous ", dt, " [rows, 2, blocks, block_size, ",
+              s.num_kv_heads, ", ", d, "]");
+  TORCH_CHECK(pool_rows.scalar_type() == at::kLong && pool_rows.is_contiguous() && pool_rows.numel() == s.size(),
+              "DecoderStack.forward: pool_rows must be contiguous int64 with one row per layer (", s.size(), ")");
+  const int64_t* rows = pool_rows.data_ptr<int64_t>();
+  for (int64_t i = first; i < first + count; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < kv_pool.size(0), "DecoderStack.forward: layer ", i, "'s pool row ", rows[i],
+                " out of range");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == M,
-              "decoder_stack: slot_mapping must be contiguous int64 [tokens]");
+              "DecoderStack.forward: slot_mapping must be contiguous int64 [tokens]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
-    TORCH_CHECK(kc.scalar_type() == dt && kc.dim() == 4 && kc.is_contiguous() && kc.size(2) == s.num_kv_heads &&
-                    kc.size(3) == d && vc.is_contiguous() && vc.sizes() == kc.sizes() && vc.scalar_type() == dt,
-                "decoder_stack: K/V caches must be contiguous ", dt, " [blocks, block_size, ", s.num_kv_heads,
-                ", ", d, "]");
-    const int64_t num_slots = kc.size(0) * kc.size(1);
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "decoder_stack: slot ", slots[m], " out of range");
-  }
+  const int64_t num_slots = kv_pool.size(2) * kv_pool.size(3);
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "DecoderStack.forward: slot ", slots[m], " out of range");
 #if PL_AVX512
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     Scratch buf(s, M, h.options());
-    for (int64_t i = 0; i < count; ++i)
-      decoder_layer<T>(s, s.layers[first + i], h, buf, cos, sin, k_caches[i], v_caches[i], slots, block_tables,
-                       seq_lens, query_start_loc, invariant);
+    for (int64_t i = first; i < first + count; ++i) {
+      const at::Tensor kv = kv_pool.select(0, rows[i]);
+      at::Tensor k_cache = kv.select(0, 0), v_cache = kv.select(0, 1);
+      decoder_layer<T>(s, s.layers[i], h, buf, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens,
+                       query_start_loc, invariant);
+    }
     if (count > 0 && first + count == s.size()) {  // the model's final norm, in place
       T* hp = data<T>(h);
       const int64_t H = s.hidden;
@@ -385,6 +391,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("__len__", &DecoderStack::size);
-  m.def("decoder_stack", &decoder_stack);
+      .def("__len__", &DecoderStack::size)
+      .def("forward", &stack_forward);  // a method, not an op: an op taking the class cost ~2x the call
 }
