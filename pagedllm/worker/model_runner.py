@@ -3,6 +3,8 @@ execution, schedule -> **execute** -> update (core/step.py)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pagedllm.attention import copy_blocks, get_backend
@@ -43,11 +45,9 @@ def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow],
 def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[int]:
     """The entries whose logits rows hold a NaN or an infinity (one reduction per row: any makes the row's sum so):
     the engine fails those requests instead of sampling from them."""
-    if not logits.numel():
+    if not logits.numel() or math.isfinite(logits.sum().item()):  # one reduction for the whole batch: the usual case
         return []
     finite = torch.isfinite(logits.sum(-1))
-    if bool(finite.all()):
-        return []
     bad, row = [], 0
     for i, s in enumerate(scheduled):
         if s.num_logits and not bool(finite[row:row + s.num_logits].all()):

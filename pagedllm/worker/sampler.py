@@ -60,14 +60,17 @@ def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device) ->
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype)
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype)
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)
+    """Presence, frequency and repetition penalties; the logits untouched (no tensor op) where no row has any."""
+    counted = any(r.params.presence_penalty or r.params.frequency_penalty for r in rows)
+    repeated = any(r.params.repetition_penalty != 1.0 for r in rows)
     vocab = logits.shape[1]
-    if bool((presence != 0).any() or (frequency != 0).any()):
+    if counted:
+        presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype)
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype)
         counts = _token_mask([r.output_token_ids for r in rows], vocab, logits.device)
         logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
-    if bool((repetition != 1.0).any()):
+    if repeated:
+        repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)
         seen = _token_mask([r.prompt_token_ids + r.output_token_ids for r in rows], vocab, logits.device) > 0
         rp = repetition[:, None]
         penalised = torch.where(logits > 0, logits / rp, logits * rp)
