@@ -1,7 +1,7 @@
-"""Whether a forward runs the decoder layers as one C++ call (csrc/decoder_layer.cpp: DecoderStack.forward), and running
-them: the one place that decides. The parts it reads are declarations: the architecture's (registry: its layer is
-the fused one, for these config features), each Linear method's (it keeps a weight the op can read), the attention
-backend's (its kernel is the op's), and the build's capabilities (kernels/dispatch.py)."""
+"""Whether a forward runs the decoder layers as one C++ call (csrc/decoder_layer.cpp: DecoderStack.forward), and
+running them: the one place that decides. The parts it reads are declarations: the architecture's (registry: its
+layer is the fused one, for these config features), each Linear method's (it keeps a weight the stack can read),
+the attention backend's (its kernel is the stack's), and the build's capabilities (kernels/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -30,13 +30,12 @@ def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
       dense GEMMs switch kernels with the row count;
     - fp32 with quantized weights (segments) where the build has AVX-512: batch-invariant as its torch layers are.
     Always: the model allows it (`model.fused_layers`, can_fuse), the attention backend is the C++ kernel on its
-    vector paths, and the caches are views of one KV pool of the compute dtype (the op writes K/V itself, and
+    vector paths, and the caches are views of one KV pool of the compute dtype (the stack writes K/V itself, and
     takes the pool whole: kv_cache.allocate_kv_caches)."""
     mode = dispatch.current_mode()
     if not (dispatch.kernel_class("DecoderStack") is not None and model.fused_layers and model._fused_capable
-            and h.shape[0] > 0 and kv_caches
-            and not mode.portable and kv_caches[0][0].dtype == h.dtype and hasattr(kv_caches, "pool")
-            and getattr(model.attn_backend, "runs_fused_layers", False)):
+            and h.shape[0] > 0 and kv_caches and hasattr(kv_caches, "pool") and kv_caches[0][0].dtype == h.dtype
+            and not mode.portable and getattr(model.attn_backend, "runs_fused_layers", False)):
         return False
     if h.dtype == torch.bfloat16:
         return not mode.invariant and dispatch.has(dispatch.AVX512_BF16)
