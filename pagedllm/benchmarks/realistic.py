@@ -14,6 +14,9 @@ Roofline columns: decode GB/s is the weight bytes a token reads (every matrix of
 embedding) times tokens/s, against the read bandwidth `bench membw` measures with the same threads; prefill
 GOP/s is 2 x those matrices' elements per prompt token (the linears; attention left out), against the measured
 int8 dot peak.
+
+`--repeats N` runs every system's processes N times, the systems alternating within each round (a noisy machine
+moves both between rounds), and reports each figure's median over the rounds, with each round's ratios.
 """
 
 from __future__ import annotations
@@ -218,6 +221,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=auto_dtype(quantized=True), choices=["float32", "bfloat16"],
                    help="pagedllm's activations (default: bfloat16 where the CPU has avx512_bf16, else float32)")
     p.add_argument("--quick", action="store_true", help="fewer tokens and requests (checks the command runs)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every system, alternating; medians reported")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--system", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
@@ -247,22 +251,40 @@ def run(args: argparse.Namespace) -> dict:
 
     lim = limits(args.threads)
     print(f"machine limits: {json.dumps(lim)}", flush=True)
-    rows = []
-    for system in systems:
-        row = {"system": system}
-        for phase in args.phases.split(","):
-            row.update(_subprocess(phase, system, model, wl_path, args.threads, args.dtype))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    add_roofline(rows, model, lim)
+    rounds = []
+    for _ in range(max(1, args.repeats)):
+        rows = []
+        for system in systems:
+            row = {"system": system}
+            for phase in args.phases.split(","):
+                row.update(_subprocess(phase, system, model, wl_path, args.threads, args.dtype))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        add_roofline(rows, model, lim)
+        rounds.append(rows)
+    rows = _medians(rounds) if len(rounds) > 1 else rounds[0]
     ratios = _ratios(rows)
-    title = f"realistic: {os.path.basename(model)}, {args.threads} threads, pagedllm {args.dtype}" + (" (quick)" if args.quick else "")
+    if len(rounds) > 1:
+        print(common.table([{"round": i + 1, **r} for i, rs in enumerate(rounds) for r in _ratios(rs)],
+                           title="ratios of each round"))
+    title = (f"realistic: {os.path.basename(model)}, {args.threads} threads, pagedllm {args.dtype}"
+             + (f", median of {len(rounds)} rounds" if len(rounds) > 1 else "") + (" (quick)" if args.quick else ""))
     print(common.table(rows, title=title))
     print(common.table(ratios, title="ratios (same run)"))
-    payload = {"model": model, "rows": rows, "ratios": ratios, "limits": lim,
+    payload = {"model": model, "rows": rows, "ratios": ratios, "rounds": rounds, "limits": lim,
                "env": common.environment(args.threads), "quick": args.quick}
     common.save(f"realistic-{os.path.basename(model).removesuffix('.gguf')}", payload)
     return payload
+
+
+def _medians(rounds: list[list[dict]]) -> list[dict]:
+    """One row per system: the median of each of its numeric figures over the rounds."""
+    out = []
+    for i, first in enumerate(rounds[0]):
+        rs = [rows[i] for rows in rounds]
+        out.append({k: common.median([r[k] for r in rs]) if isinstance(v, (int, float)) else v
+                    for k, v in first.items()})
+    return out
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
