@@ -16,7 +16,8 @@ GOP/s is 2 x those matrices' elements per prompt token (the linears; attention l
 int8 dot peak.
 
 `--repeats N` runs every system's processes N times, the systems alternating within each round (a noisy machine
-moves both between rounds), and reports each figure's median over the rounds, with each round's ratios.
+moves both between rounds), and reports each figure's median over the rounds, with each round's ratios. Each
+round's roofline fractions are against the limits measured just before it.
 """
 
 from __future__ import annotations
@@ -249,10 +250,12 @@ def run(args: argparse.Namespace) -> dict:
         json.dump(wl, f)
     from pagedllm.benchmarks.membw import limits
 
-    lim = limits(args.threads)
-    print(f"machine limits: {json.dumps(lim)}", flush=True)
-    rounds = []
+    rounds, lims = [], []
     for _ in range(max(1, args.repeats)):
+        limits.cache_clear()  # each round against the limits measured just before it: they move between minutes
+        lim = limits(args.threads)
+        lims.append(lim)
+        print(f"machine limits: {json.dumps(lim)}", flush=True)
         rows = []
         for system in systems:
             row = {"system": system}
@@ -271,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
              + (f", median of {len(rounds)} rounds" if len(rounds) > 1 else "") + (" (quick)" if args.quick else ""))
     print(common.table(rows, title=title))
     print(common.table(ratios, title="ratios (same run)"))
-    payload = {"model": model, "rows": rows, "ratios": ratios, "rounds": rounds, "limits": lim,
+    payload = {"model": model, "rows": rows, "ratios": ratios, "rounds": rounds, "limits": lims,
                "env": common.environment(args.threads), "quick": args.quick}
     common.save(f"realistic-{os.path.basename(model).removesuffix('.gguf')}", payload)
     return payload
