@@ -32,7 +32,7 @@ class KVCacheList(list):
     head_dim + 2 for int8 rows with their scale), so that block copies can touch every layer in one indexed copy.
     With KV groups (core/kv_groups.py) layers_per_block is the group size: layer l uses pool[its position in its
     group] through its group's block tables (layer_group[l] = its group; pool_rows[l] = its row of the pool, int64,
-    which the fused layers' op takes with the pool instead of a list of caches)."""
+    which DecoderStack.forward takes with the pool instead of a list of caches)."""
 
     pool: torch.Tensor
     layer_group: list[int]

@@ -209,9 +209,9 @@ void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarTyp
 bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : dtype == at::kBFloat16 && PL_AVX512_BF16; }
 
 // A stack of decoder layers whose weights are bound once (DecoderStack.add_layer, at the model's first fused
-// forward): a step calls DecoderStack.forward once for all layers with only activations, caches and metadata. Passing
-// each layer's ~27 arguments through the dispatcher, after the layer before had streamed its weights through the
-// caches, cost a large share of a small model's decode step (BENCHMARKS.md, issue 29).
+// forward): a step calls DecoderStack.forward once for all layers with only activations, caches and metadata.
+// Passing each layer's arguments through the dispatcher, after the layer before had streamed its weights through
+// the caches, cost a large share of a small model's decode step (BENCHMARKS.md, issue 29).
 struct LayerWeights {
   at::Tensor input_norm, post_norm;
   LinearWeight qkv, o, gate_up, down;
@@ -326,7 +326,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
 // metadata, then the final norm if the last layer was among them. kv_pool is the KV pool, [pool rows, 2 (K, V),
 // blocks, block_size, KV heads, head_dim], and layer i's caches are kv_pool[pool_rows[i]] (pool_rows: int64, one per
 // layer of the stack; with KV groups layers share rows). The pool is passed whole, not as per-layer lists: the
-// dispatcher converted two lists of a tensor per layer on every call (~0.2 ms a step, BENCHMARKS.md issue 29).
+// dispatcher converted two lists of a tensor per layer on every call (BENCHMARKS.md, issue 29).
 // h's dtype picks the layer (float, or bf16 where the build has avx512_bf16) and must be the weights'.
 void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, const at::Tensor& cos,
                    const at::Tensor& sin, const at::Tensor& kv_pool, const at::Tensor& pool_rows,
@@ -334,7 +334,8 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
                    const at::Tensor& query_start_loc, int64_t first, int64_t count, bool invariant) {
   const DecoderStack& s = *stack;
   const at::ScalarType dt = h.scalar_type();
-  TORCH_CHECK(has_layer(dt), "DecoderStack.forward: this build has no layer for ", dt, " (the model runs its torch layers)");
+  TORCH_CHECK(has_layer(dt), "DecoderStack.forward: this build has no layer for ", dt,
+              " (the model runs its torch layers)");
   TORCH_CHECK(first >= 0 && count >= 0 && first + count <= s.size(), "DecoderStack.forward: layers ", first, "..",
               first + count, " of ", s.size());
   TORCH_CHECK(s.final_norm.scalar_type() == dt, "DecoderStack.forward: h is ", dt, ", the weights ",
@@ -353,8 +354,8 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
               "DecoderStack.forward: pool_rows must be contiguous int64 with one row per layer (", s.size(), ")");
   const int64_t* rows = pool_rows.data_ptr<int64_t>();
   for (int64_t i = first; i < first + count; ++i)
-    TORCH_CHECK(rows[i] >= 0 && rows[i] < kv_pool.size(0), "DecoderStack.forward: layer ", i, "'s pool row ", rows[i],
-                " out of range");
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < kv_pool.size(0), "DecoderStack.forward: layer ", i, "'s pool row ",
+                rows[i], " out of range");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == M,
               "DecoderStack.forward: slot_mapping must be contiguous int64 [tokens]");
@@ -392,5 +393,5 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("__len__", &DecoderStack::size)
-      .def("forward", &stack_forward);  // a method, not an op: an op taking the class cost ~2x the call
+      .def("forward", &stack_forward);  // a method, not an op: an op taking the class checks every argument in Python
 }
