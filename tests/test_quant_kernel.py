@@ -190,3 +190,22 @@ def test_the_portable_build_computes_the_same_bits(tmp_path):
     theirs = torch.load(tmp_path / "out.pt")
     differ = [t for t in TYPES if not torch.equal(ours[t], theirs[t])]
     assert not differ, f"seed {seed}: the portable build differs on {differ}"
+
+
+@pytest.mark.skipif(not kernel_available(), reason="needs the C++ extension")
+def test_huge_page_arena_hands_out_disjoint_memory_that_outlives_its_neighbours():
+    """Packed weights are carved one after another from shared 2 MiB-page chunks (huge_pages.cpp): every tensor
+    keeps its own bytes while others, small and larger than a chunk, come and go around it."""
+    empty = kernel_op("empty_huge_paged")
+    gen = torch.Generator().manual_seed(11)
+    sizes = [(1, 1), (3, 1000), (16, 4096), (40 << 10, 1024), (5, 77), (70 << 10, 1024), (2, 3)]
+    kept = []
+    for i, (rows, cols) in enumerate(sizes):
+        t = empty(rows, cols)
+        assert t.shape == (rows, cols) and t.dtype == torch.uint8 and t.data_ptr() % 64 == 0
+        t.copy_(torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen))
+        kept.append((t, t.clone()))
+        if i % 2:
+            kept.pop(0)  # drop an older one: its chunk may be unmapped only once nothing else holds it
+        for tensor, want in kept:
+            assert torch.equal(tensor, want)

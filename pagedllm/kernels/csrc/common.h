@@ -133,4 +133,7 @@ void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int6
 // Only where the build has AVX512-BF16 (PL_AVX512_BF16).
 void small_gemm_bf16_raw(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t M, int64_t N, int64_t K);
 
+// huge_pages.cpp: uint8 [rows, cols] in memory advised as 2 MiB pages (what a decode step streams whole).
+at::Tensor empty_huge_paged(int64_t rows, int64_t cols);
+
 }  // namespace pagedllm

@@ -475,7 +475,7 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& parts, int64_t qtype, int64
     rows += w.size(0);
   }
   TORCH_CHECK(!parts.empty(), "quant_pack: no matrices");
-  at::Tensor out = at::empty({rows, dst_row}, parts[0].options());
+  at::Tensor out = empty_huge_paged(rows, dst_row);  // streamed whole every decode step
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (const at::Tensor& w : parts) {
     const int64_t N = w.size(0);
