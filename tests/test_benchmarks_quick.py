@@ -87,3 +87,21 @@ def test_memory_hybrid_on_a_tiny_sliding_window_model(tmp_path):
     assert out["ratios"]["blocks_per_request_x"] < 0.6
     # as many decode at once as the blocks allow (a request early in its decode holds fewer than at its end)
     assert flat["peak_decoding"] == 2 and hyb["peak_decoding"] >= 225 // hyb["blocks_per_request"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_roofline_counts_what_a_token_reads_and_multiplies(tmp_path, tied):
+    """bench realistic's roofline: a decode token reads the layer matrices and the head (the embedding where the
+    file ties them, never a separate embedding table); a prompt token multiplies by the layer matrices only."""
+    from pagedllm.benchmarks.gguf_writer import tiny_shape, write_random_gguf
+    from pagedllm.benchmarks.realistic import weights_per_token
+
+    shape = tiny_shape("llama", tied=tied)
+    path = str(tmp_path / "m.gguf")
+    write_random_gguf(path, shape, "Q8_0", seed=1, tokenizer_from=None)
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = shape.hidden * (2 * q + 2 * kv) + 3 * shape.hidden * shape.ffn
+    head = shape.vocab * shape.hidden
+    nbytes, elements = weights_per_token(path)
+    assert elements == shape.layers * per_layer
+    assert nbytes == (shape.layers * per_layer + head) // 32 * 34  # Q8_0: 34 bytes per 32 weights

@@ -161,32 +161,34 @@ def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> 
 
 
 def weights_per_token(model: str) -> tuple[int, int]:
-    """(bytes, elements) of the weight matrices one token reads: every 2-D tensor of the file, but the token
-    embedding where the file has a separate output head (one row of it is read)."""
+    """(bytes of the matrices a decode token reads, multiply-adds of a prompt token): a decode token reads every
+    layer matrix and the output head (the token embedding where the file ties them); a prompt token multiplies by
+    the layer matrices only (the head runs for a prompt's last token, and an embedding is one row read)."""
     from pagedllm.model.gguf_reader import read_gguf
     from pagedllm.quantization.types import BY_ID
 
     f = read_gguf(model)
-    untied = "output.weight" in f.tensors
-    nbytes = elements = 0
+    head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    nbytes = layer_elements = 0
     for name, t in f.tensors.items():
-        if len(t.shape) != 2 or (untied and name == "token_embd.weight"):
+        if len(t.shape) != 2 or not (name.startswith("blk.") or name == head):
             continue
         n = t.shape[0] * t.shape[1]
-        elements += n
         nbytes += n // BY_ID[t.ggml_type].block * BY_ID[t.ggml_type].bytes
-    return nbytes, elements
+        if name != head:
+            layer_elements += n
+    return nbytes, layer_elements
 
 
 def add_roofline(rows: list[dict], model: str, lim: dict) -> None:
     """Decode GB/s and prefill GOP/s of each system, and their fractions of the machine's limits."""
-    nbytes, elements = weights_per_token(model)
+    nbytes, layer_elements = weights_per_token(model)
     for r in rows:
         if "decode_tok_s" in r:
             r["decode_gb_s"] = r["decode_tok_s"] * nbytes / 1e9
             r["decode_of_read_bw"] = r["decode_gb_s"] / lim["read_gb_s"]
         if "prefill_tok_s" in r:
-            r["prefill_gop_s"] = r["prefill_tok_s"] * 2 * elements / 1e9
+            r["prefill_gop_s"] = r["prefill_tok_s"] * 2 * layer_elements / 1e9
             if lim["int8_peak_gops"]:
                 r["prefill_of_int8_peak"] = r["prefill_gop_s"] / lim["int8_peak_gops"]
 
