@@ -48,3 +48,24 @@ def test_poisoned_requests_fail_alone(nan_dir, poison):
             assert out.error is None, (seed, i, out.error)
             assert out.outputs[0].token_ids == next(want).outputs[0].token_ids, (seed, i)
     assert_no_leaks(llm)
+
+
+def test_the_finite_check_kernel_agrees_with_torch():
+    """The step's one-pass check (sampler.cpp's all_finite) finds one special value anywhere in a batch of logits,
+    and passes huge and subnormal finite ones."""
+    from pagedllm.kernels import kernel_op
+
+    all_finite = kernel_op("all_finite")
+    if all_finite is None:
+        pytest.skip("needs the C++ extension")
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    for rows, vocab in ((1, 49152), (3, 321), (5, 17)):
+        logits = torch.randn(rows, vocab, generator=gen) * 30
+        logits.view(-1)[torch.randint(0, logits.numel(), (4,), generator=gen)] = torch.tensor(
+            [3.4e38, -3.4e38, 1e-45, -0.0])
+        assert all_finite(logits)
+        for special in (float("nan"), float("inf"), float("-inf")):
+            bad = logits.clone()
+            bad.view(-1)[int(torch.randint(0, bad.numel(), (1,), generator=gen))] = special
+            assert not all_finite(bad)
+            assert all_finite(bad) == bool(torch.isfinite(bad).all())

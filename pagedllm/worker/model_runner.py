@@ -12,7 +12,7 @@ from pagedllm.attention.metadata import build_attention_metadata, compute_positi
 from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import RunnerOutput
-from pagedllm.kernels import KernelMode, forward_context
+from pagedllm.kernels import KernelMode, forward_context, kernel_op
 from pagedllm.model.kv_cache import allocate_kv_caches
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
@@ -42,10 +42,17 @@ def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow],
     return rows, logit_rows
 
 
+def _all_finite(logits: torch.Tensor) -> bool:
+    op = kernel_op("all_finite")
+    if op is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        return op(logits)
+    return math.isfinite(logits.sum().item())
+
+
 def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[int]:
     """The entries whose logits rows hold a NaN or an infinity (one reduction per row: any makes the row's sum so):
     the engine fails those requests instead of sampling from them."""
-    if not logits.numel() or math.isfinite(logits.sum().item()):  # one reduction for the whole batch: the usual case
+    if not logits.numel() or _all_finite(logits):  # one pass over the whole batch: the usual case
         return []
     finite = torch.isfinite(logits.sum(-1))
     bad, row = [], 0
