@@ -2,8 +2,8 @@
 // (bench membw). It comes from 2 MiB-aligned chunks advised as transparent huge pages, so the stream walks one
 // TLB entry per 2 MiB instead of per 4 KiB (where the kernel has THP in "madvise" or "always" mode; elsewhere the
 // advice fails, and where memory is too fragmented the kernel falls back, to ordinary pages). Matrices are carved
-// one after the other from the current chunk:
-// one 2 MiB page per small matrix would waste up to 2 MiB each, and only the pages written are resident.
+// one after the other from the current chunk: one 2 MiB page per small matrix would waste up to 2 MiB each, and
+// only the pages written are resident.
 //
 //   empty_huge_paged(rows, cols): uint8 [rows, cols], 64-byte aligned, uninitialised.
 
