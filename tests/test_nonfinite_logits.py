@@ -58,7 +58,9 @@ def test_the_finite_check_kernel_agrees_with_torch():
     all_finite = kernel_op("all_finite")
     if all_finite is None:
         pytest.skip("needs the C++ extension")
-    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")  # shown if the test fails
+    gen = torch.Generator().manual_seed(seed)
     for rows, vocab in ((1, 49152), (3, 321), (5, 17)):
         logits = torch.randn(rows, vocab, generator=gen) * 30
         logits.view(-1)[torch.randint(0, logits.numel(), (4,), generator=gen)] = torch.tensor(
