@@ -260,3 +260,25 @@ def test_bfloat16_decode_steps_close_to_transformers_bfloat16(pair, batch_depend
         assert err < max(4 * (ref - ref32).abs().max().item(), 0.05)
     finally:
         pair.hf.float()
+
+
+@pytest.mark.parametrize("head_dim,theta,scaling", [
+    (64, 1e5, None), (128, 1e6, None), (256, 1e4, None),
+    (64, 5e5, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192})])
+def test_rope_tables_give_each_position_its_computed_values(head_dim, theta, scaling):
+    """RotaryEmbedding gathers cos/sin from tables that grow with the positions seen: every row is bit for bit what
+    computing that position's angles gives, in float32 and rounded to bfloat16, before and after the tables grow."""
+    from pagedllm.model.layers import RotaryEmbedding, rope_inv_freq
+
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    rotary, inv_freq = RotaryEmbedding(head_dim, theta, scaling), rope_inv_freq(head_dim, theta, scaling)
+    for top in (40, 900, 5000, 3000):  # the third batch makes the tables grow past their first size
+        positions = torch.randint(0, top, (int(torch.randint(1, 64, (1,), generator=gen)),), generator=gen)
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = rotary(positions, dtype)
+            assert torch.equal(cos, angles.cos().to(dtype)[:, None, :]), seed
+            assert torch.equal(sin, angles.sin().to(dtype)[:, None, :]), seed
