@@ -12,8 +12,8 @@ same run.
 
 Roofline columns: decode GB/s is the weight bytes a token reads (every matrix of the file but an untied token
 embedding) times tokens/s, against the read bandwidth `bench membw` measures with the same threads; prefill
-GOP/s is 2 x those matrices' elements per prompt token (the linears; attention left out), against the measured
-int8 dot peak.
+GOP/s is 2 x the layer matrices' elements per prompt token (the linears; attention and the head, which runs for
+the prompt's last token only, left out), against the measured int8 dot peak.
 
 `--repeats N` runs every system's processes N times, the systems alternating within each round (a noisy machine
 moves both between rounds), and reports each figure's median over the rounds, with each round's ratios. Each

@@ -83,8 +83,9 @@ class RotaryEmbedding(nn.Module):
         """cos, sin of shape [T, 1, D] (broadcast over heads), once per forward for all layers: rows gathered from
         tables of every position so far, the same values as computing them per position, in two calls where
         computing them took eight in every decode step."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            size = -(-(int(positions.max()) + 1) // self.TABLE_STEP) * self.TABLE_STEP
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self._cos.shape[0]:
+            size = -(-needed // self.TABLE_STEP) * self.TABLE_STEP
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :].float()
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
