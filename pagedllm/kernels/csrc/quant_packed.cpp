@@ -277,49 +277,73 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
   }
 }
 
-// The dots of one 32-block against MR activation rows, folded into acc by the block's scales.
+// The dots of one 32-block against MR activation rows, folded into acc by the block's scales. Integer sums are
+// exact, so how the vpdpbusd are chained changes no result; it is chosen for the latency (5 cycles) of each chain.
 template <class T, int MR>
 inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, const Acts& A, int64_t m0, int64_t k,
                        __m512* acc) {
-  // unrolled, so that acc[] stays in registers (a loop over j kept the accumulators on the stack: a store and a
-  // reload in every row's chain, which halved the GEMM's rate)
+  // everything unrolled, so that the accumulators and chains stay in registers (a loop over j kept them on the
+  // stack: a store and a reload in every row's chain, which halved the GEMM's rate)
+  if constexpr (T::kHalves == 1 && MR > 2) {
+    // Many rows, one scale per block: one chain per row over the whole block, the rows interleaved step by step, so
+    // that MR independent chains are in flight (two chains per row, a row at a time, were latency-bound: the
+    // GEMM took ~15% longer on Q4_K, Q4_1, Q5_K and IQ4_XS). A fixed zero starts the chain at -kZero * (codes' sum).
+    __m512i chain[MR];
+    const int8_t* a[MR];
+    int64_t b[MR];
 #pragma GCC unroll 8
-  for (int j = 0; j < MR; ++j) {
-    const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
-    const int64_t b = ((m0 + j) * A.K + k) / 32;
-    // The dots of elements 0..15 and 16..31 in kChains / 2 chains each. A few rows (decode) use four chains of two
-    // vpdpbusd: two chains of four left one row's block latency-bound. Many rows keep two, which already overlap
-    // across rows and need fewer registers. Integer sums are exact: the split changes no result. A fixed zero
-    // starts each half's first chain at -kZero * (its codes' sum).
-    constexpr int kChains = MR <= 2 ? 4 : 2, kDots = 8 / kChains;
-    int32_t start[2] = {0, 0};  // each half's first chain starts here (constants 0 fold away)
-    if constexpr (!T::kHasMin && T::kHalves == 1) start[0] = -T::kZero * A.s32[b];
-    if constexpr (!T::kHasMin && T::kHalves == 2)
-      start[0] = -T::kZero * A.s16[2 * b], start[1] = -T::kZero * A.s16[2 * b + 1];
-    __m512i chain[kChains];
-    for (int q = 0; q < kChains; ++q) {
-      chain[q] = q % (kChains / 2) == 0 ? _mm512_set1_epi32(start[q / (kChains / 2)]) : _mm512_setzero_si512();
-      for (int s = kDots * q; s < kDots * (q + 1); ++s) {
-        int32_t four;
-        std::memcpy(&four, a + 4 * s, 4);
-        chain[q] = _mm512_dpbusd_epi32(chain[q], c[s], _mm512_set1_epi32(four));
-      }
+    for (int j = 0; j < MR; ++j) {
+      a[j] = A.a.get() + (m0 + j) * A.K + k;
+      b[j] = ((m0 + j) * A.K + k) / 32;
+      chain[j] = _mm512_set1_epi32(T::kHasMin ? 0 : -T::kZero * A.s32[b[j]]);
     }
-    __m512i part[2];
-    if constexpr (kChains == 4)
-      part[0] = _mm512_add_epi32(chain[0], chain[1]), part[1] = _mm512_add_epi32(chain[2], chain[3]);
-    else
-      part[0] = chain[0], part[1] = chain[1];
-    const __m512 da = _mm512_set1_ps(A.d[b]);
-    if constexpr (T::kHalves == 1) {
-      const __m512i isum = _mm512_add_epi32(part[0], part[1]);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[0], da), acc[j]);
-      if constexpr (T::kHasMin) acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b]), acc[j]);
-    } else {
-      static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
-      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
-                                       _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
-      acc[j] = _mm512_fmadd_ps(t, da, acc[j]);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s)
+#pragma GCC unroll 8
+      for (int j = 0; j < MR; ++j) {
+        int32_t four;
+        std::memcpy(&four, a[j] + 4 * s, 4);
+        chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
+      }
+#pragma GCC unroll 8
+    for (int j = 0; j < MR; ++j) {
+      const __m512 da = _mm512_set1_ps(A.d[b[j]]);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[j]), _mm512_mul_ps(ws[0], da), acc[j]);
+      if constexpr (T::kHasMin) acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b[j]]), acc[j]);
+    }
+  } else {
+    // A few rows (decode), or two scales per block (Q6_K): a row at a time, each half of its block in two chains of
+    // two (two chains of four left a row latency-bound; on Q6_K four chains took ~8% less time at many rows too).
+    // A fixed zero starts each half's first chain at -kZero * (its codes' sum).
+#pragma GCC unroll 8
+    for (int j = 0; j < MR; ++j) {
+      const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
+      const int64_t b = ((m0 + j) * A.K + k) / 32;
+      int32_t start[2] = {0, 0};  // each half's first chain starts here (constants 0 fold away)
+      if constexpr (!T::kHasMin && T::kHalves == 1) start[0] = -T::kZero * A.s32[b];
+      if constexpr (!T::kHasMin && T::kHalves == 2)
+        start[0] = -T::kZero * A.s16[2 * b], start[1] = -T::kZero * A.s16[2 * b + 1];
+      __m512i chain[4];
+      for (int q = 0; q < 4; ++q) {
+        chain[q] = q % 2 == 0 ? _mm512_set1_epi32(start[q / 2]) : _mm512_setzero_si512();
+        for (int s = 2 * q; s < 2 * q + 2; ++s) {
+          int32_t four;
+          std::memcpy(&four, a + 4 * s, 4);
+          chain[q] = _mm512_dpbusd_epi32(chain[q], c[s], _mm512_set1_epi32(four));
+        }
+      }
+      const __m512i part[2] = {_mm512_add_epi32(chain[0], chain[1]), _mm512_add_epi32(chain[2], chain[3])};
+      const __m512 da = _mm512_set1_ps(A.d[b]);
+      if constexpr (T::kHalves == 1) {
+        const __m512i isum = _mm512_add_epi32(part[0], part[1]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[0], da), acc[j]);
+        if constexpr (T::kHasMin) acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b]), acc[j]);
+      } else {
+        static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
+        acc[j] = _mm512_fmadd_ps(t, da, acc[j]);
+      }
     }
   }
 }
