@@ -277,6 +277,15 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
   }
 }
 
+// acc plus a 32-block's exact integer dot isum (activation block b) times the block's scale, plus its offset term
+// (types with one scale per 32; Q6_K's two are applied in block_dots).
+template <class T>
+inline __m512 scale_block(__m512i isum, __m512 ws, __m512 wo, const Acts& A, int64_t b, __m512 acc) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_set1_ps(A.d[b])), acc);
+  if constexpr (T::kHasMin) acc = _mm512_fmadd_ps(wo, _mm512_set1_ps(A.ds[b]), acc);
+  return acc;
+}
+
 // The dots of one 32-block against MR activation rows, folded into acc by the block's scales. Integer sums are
 // exact, so how the vpdpbusd are chained changes no result; it is chosen for the latency (5 cycles) of each chain.
 template <class T, int MR>
@@ -306,11 +315,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
         chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
       }
 #pragma GCC unroll 8
-    for (int j = 0; j < MR; ++j) {
-      const __m512 da = _mm512_set1_ps(A.d[b[j]]);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[j]), _mm512_mul_ps(ws[0], da), acc[j]);
-      if constexpr (T::kHasMin) acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b[j]]), acc[j]);
-    }
+    for (int j = 0; j < MR; ++j) acc[j] = scale_block<T>(chain[j], ws[0], wo[0], A, b[j], acc[j]);
   } else {
     // A few rows (decode), or two scales per block (Q6_K): a row at a time, each half of its block in two chains of
     // two (two chains of four left a row latency-bound; on Q6_K four chains took ~8% less time at many rows too).
@@ -333,16 +338,13 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
         }
       }
       const __m512i part[2] = {_mm512_add_epi32(chain[0], chain[1]), _mm512_add_epi32(chain[2], chain[3])};
-      const __m512 da = _mm512_set1_ps(A.d[b]);
       if constexpr (T::kHalves == 1) {
-        const __m512i isum = _mm512_add_epi32(part[0], part[1]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws[0], da), acc[j]);
-        if constexpr (T::kHasMin) acc[j] = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(A.ds[b]), acc[j]);
+        acc[j] = scale_block<T>(_mm512_add_epi32(part[0], part[1]), ws[0], wo[0], A, b, acc[j]);
       } else {
         static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
                                          _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
-        acc[j] = _mm512_fmadd_ps(t, da, acc[j]);
+        acc[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(A.d[b]), acc[j]);
       }
     }
   }
