@@ -295,8 +295,8 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
   // stack: a store and a reload in every row's chain, which halved the GEMM's rate)
   if constexpr (T::kHalves == 1 && MR > 2) {
     // Many rows, one scale per block: one chain per row over the whole block, the rows interleaved step by step, so
-    // that MR independent chains are in flight (two chains per row, a row at a time, were latency-bound: the
-    // GEMM took ~15% longer on Q4_K, Q4_1, Q5_K and IQ4_XS). A fixed zero starts the chain at -kZero * (codes' sum).
+    // that MR independent chains are in flight (two chains per row, a row at a time, left the rows latency-bound;
+    // BENCHMARKS.md, issue 29). A fixed zero starts the chain at -kZero * (codes' sum).
     __m512i chain[MR];
     const int8_t* a[MR];
     int64_t b[MR];
@@ -318,7 +318,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
     for (int j = 0; j < MR; ++j) acc[j] = scale_block<T>(chain[j], ws[0], wo[0], A, b[j], acc[j]);
   } else {
     // A few rows (decode), or two scales per block (Q6_K): a row at a time, each half of its block in two chains of
-    // two (two chains of four left a row latency-bound; on Q6_K four chains took ~8% less time at many rows too).
+    // two (two chains of four left a row latency-bound, at many rows of Q6_K too).
     // A fixed zero starts each half's first chain at -kZero * (its codes' sum).
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) {
