@@ -350,22 +350,23 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
   }
 }
 
+// prefetch: whether this tile streams the group from memory (the first of a pass; the later ones find it cached)
 template <class T, int MR>
-void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc) {
+void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc, bool prefetch) {
   using P = Packed<T>;
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < A.K; k += T::kBlock) {
     const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
-    // the weights stream from memory once per call: ask for the bytes kPrefetchBytes ahead of the hardware
+    // the weights stream from memory once per pass: ask for the bytes kPrefetchBytes ahead of the hardware
     // prefetcher, a few lines per 32-block (a whole 256-block unit's lines at once stalled the loads behind them)
-    for (int64_t l = 0; l < P::kHeadBytes; l += 64)
+    for (int64_t l = 0; prefetch && l < P::kHeadBytes; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
     __m512 head[T::kNumHead + 1];
     for (int f = 0; f < T::kNumHead; ++f) head[f] = field16(T::kHead[f], p + P::head_offset(f));
     for (int64_t b = 0; b < P::kBlocks; ++b) {
       const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
-      for (int64_t l = 0; l < P::kBlockBytes; l += 64)
+      for (int64_t l = 0; prefetch && l < P::kBlockBytes; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
       __m512 f[P::kNumPer32], ws[T::kHalves], wo[T::kHalves];
       for (int i = 0; i < P::kNumPer32; ++i) f[i] = field16(T::kPer32[i], blk + P::per32_offset(i));
@@ -392,15 +393,16 @@ void store_tile(const __m512* acc, void* out, bool out_f32, int64_t ldo, int64_t
 }
 
 template <class T, int MR>
-void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0) {
+void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0,
+          bool prefetch) {
   __m512 acc[MR];
-  group_tile<T, MR>(g, A, m0, acc);
+  group_tile<T, MR>(g, A, m0, acc, prefetch);
   store_tile<MR>(acc, out, out_f32, ldo, m0, n0);
 }
 #else
 // The same arithmetic one output at a time.
 template <class T, int MR>
-void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0) {
+void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0, bool) {
   for (int j = 0; j < MR; ++j)
     for (int i = 0; i < kGroupRows; ++i) {
       float acc = 0.f;
@@ -444,15 +446,15 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
       const uint8_t* gw = w + g * group_bytes;
       const int64_t n0 = g * kGroupRows, m_end = std::min(M, mc + kRowChunk);
       int64_t m = mc;
-      for (; m + 8 <= m_end; m += 8) tile<T, 8>(gw, A, m, out, out_f32, ldo, n0);
+      for (; m + 8 <= m_end; m += 8) tile<T, 8>(gw, A, m, out, out_f32, ldo, n0, m == mc);
       switch (m_end - m) {  // the rest in one tile: the group's codes unpacked once (a verification of k drafts: k + 1)
-        case 7: tile<T, 7>(gw, A, m, out, out_f32, ldo, n0); break;
-        case 6: tile<T, 6>(gw, A, m, out, out_f32, ldo, n0); break;
-        case 5: tile<T, 5>(gw, A, m, out, out_f32, ldo, n0); break;
-        case 4: tile<T, 4>(gw, A, m, out, out_f32, ldo, n0); break;
-        case 3: tile<T, 3>(gw, A, m, out, out_f32, ldo, n0); break;
-        case 2: tile<T, 2>(gw, A, m, out, out_f32, ldo, n0); break;
-        case 1: tile<T, 1>(gw, A, m, out, out_f32, ldo, n0); break;
+        case 7: tile<T, 7>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
+        case 6: tile<T, 6>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
+        case 5: tile<T, 5>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
+        case 4: tile<T, 4>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
+        case 3: tile<T, 3>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
+        case 2: tile<T, 2>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
+        case 1: tile<T, 1>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
       }
     }
   });
