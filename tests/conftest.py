@@ -24,13 +24,11 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """transformers' own load of the embedded SmolLM2 GGUF (~35 s to convert): once per test session."""
-    from transformers import AutoModelForCausalLM
+    from tiny_models import hf_model_from_gguf
 
     from pagedllm.model.loader import default_model_path
 
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    return hf_model_from_gguf(default_model_path(), torch.float32)
 
 
 @pytest.fixture

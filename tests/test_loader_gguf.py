@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from tiny_models import hf_model_from_gguf
 
 from pagedllm.attention import build_attention_metadata
 from pagedllm.kernels import kernel_mode
@@ -131,8 +132,6 @@ def _paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("types", list(TYPE_SETS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_matches_transformers(tmp_path, arch, types):
-    from transformers import AutoModelForCausalLM
-
     path = tmp_path / "m.gguf"
     write_gguf(str(path), arch, TYPE_SETS[types])
     # the dequantized path is the one that equals transformers; tests/test_quant_model.py compares the two
@@ -144,7 +143,7 @@ def test_gguf_matches_transformers(tmp_path, arch, types):
     tokens = np.random.default_rng(1).integers(0, V, 37).tolist()
     ref = {}
     for dtype in (torch.float32, torch.float64):
-        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=dtype).eval()
+        hf = hf_model_from_gguf(str(path), dtype)
         with torch.no_grad():
             ref[dtype] = hf(torch.tensor([tokens])).logits[0].double()
     assert ref[torch.float32].abs().max() > 1.0  # the comparison means something
@@ -152,12 +151,15 @@ def test_gguf_matches_transformers(tmp_path, arch, types):
     with kernel_mode(invariant=False):
         got = _paged_logits(ours, tokens).double()
     assert (got - ref[torch.float32]).abs().max().item() < 1e-4
-    # the batch-invariant GEMM sums in another order: measured against float64, it must be at least as accurate as
-    # transformers in float32 (these random K-quant models amplify last-bit differences up to ~1 logit)
+    # the batch-invariant GEMM sums in another order: measured against float64, it must be as accurate as
+    # transformers in float32, within a factor of 2 (these random K-quant models amplify last-bit differences up to
+    # ~0.2 logit, and which of two summation orders lands closer is then chance: it differed between CPUs)
     with kernel_mode(invariant=True):
         got = _paged_logits(ours, tokens).double()
-    fp32_error = (ref[torch.float32] - ref[torch.float64]).abs().max().item()
-    assert (got - ref[torch.float64]).abs().max().item() <= fp32_error + 1e-4
+    fp32_error = (ref[torch.float32] - ref[torch.float64]).abs()
+    error = (got - ref[torch.float64]).abs()
+    assert error.max().item() <= 2 * fp32_error.max().item() + 1e-4
+    assert error.mean().item() <= 2 * fp32_error.mean().item() + 1e-6
 
 
 def test_dequant_matches_gguf_package():

