@@ -1,5 +1,6 @@
 """The fused C++ decoder layer (bf16 on the C++ backend) against the model's layer-by-layer torch path, for decode
-steps of a few tokens (small-GEMM kernel) and prefill-sized batches (oneDNN matmul, parallel pointwise stages)."""
+steps of a few tokens (small-GEMM kernel) and prefill-sized batches (oneDNN matmul, parallel pointwise stages), and
+in batch-invariant mode (the default: the invariant GEMM in both)."""
 
 from __future__ import annotations
 
@@ -60,11 +61,17 @@ def fill_context(model, caches, g, context_lens: list[int]) -> list[list[int]]:
     return tables
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["batch-dependent", "invariant"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("context_lens,new", [([37], [1]), ([5, 130, 16], [1, 1, 1]), ([64, 9], [2, 1]),
                                               ([200], [4]), ([0, 31], [3, 1]), ([0, 40, 0], [77, 5, 130]),
                                               ([0], [300])])
-def test_fused_layers_match_torch_layers(name, context_lens, new):
+def test_fused_layers_match_torch_layers(invariant, name, context_lens, new):
+    with kernel_mode(invariant=invariant):
+        check_fused_matches_torch(name, context_lens, new)
+
+
+def check_fused_matches_torch(name: str, context_lens: list[int], new: list[int]) -> None:
     seed = sum(context_lens) * 10 + len(new)
     model = random_model(name, seed)
     g = torch.Generator().manual_seed(seed)
@@ -104,8 +111,8 @@ def test_fused_path_only_for_bf16_on_the_cpu_kernel():
     model.fused_layers = False
     assert not fuses_layers(model, h, caches)
     model.fused_layers = True
-    with kernel_mode(invariant=True):  # its GEMMs switch kernels with the row count: not in invariant mode
-        assert not fuses_layers(model, h, caches)
+    with kernel_mode(invariant=True):  # with the invariant GEMM: the default mode's path on this CPU
+        assert fuses_layers(model, h, caches)
     with kernel_mode(portable=True):  # the portable attention path: the torch layers
         assert not fuses_layers(model, h, caches)
     model.set_attention_backend("reference")

@@ -26,9 +26,10 @@ def can_fuse(cfg: ModelConfig, linears: Iterable[Linear]) -> bool:
 
 def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
     """Whether this forward runs its layers as one DecoderStack call (else the model runs its torch layers):
-    - bf16 (weights dense or quantized) where the build has avx512_bf16, but never in batch-invariant mode: its
-      dense GEMMs switch kernels with the row count;
-    - fp32 with quantized weights (segments) where the build has AVX-512: batch-invariant as its torch layers are.
+    - bf16 (weights dense or quantized) where the build has avx512_bf16;
+    - fp32 with quantized weights (segments) where the build has AVX-512.
+    In batch-invariant mode its GEMMs are the torch layers' invariant ones (dense: gemm_invariant; quantized: the
+    quantized GEMM, invariant in every mode), so it is as invariant as they are.
     Always: the model allows it (`model.fused_layers`, can_fuse), the attention backend is the C++ kernel on its
     vector paths, and the caches are views of one KV pool of the compute dtype (the stack writes K/V itself, and
     takes the pool whole: kv_cache.allocate_kv_caches)."""
@@ -38,7 +39,7 @@ def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
             and not mode.portable and getattr(model.attn_backend, "runs_fused_layers", False)):
         return False
     if h.dtype == torch.bfloat16:
-        return not mode.invariant and dispatch.has(dispatch.AVX512_BF16)
+        return dispatch.has(dispatch.AVX512_BF16)
     return h.dtype == torch.float32 and any(lin.method.segmented for lin in model.layers[0].linears())
 
 

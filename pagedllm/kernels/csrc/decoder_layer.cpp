@@ -152,8 +152,9 @@ template <typename T>
 void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
             bool invariant) {
   const int64_t rows = x.size(0), n = w.size(0);
-  if (std::is_same_v<T, float> && invariant) {
-    pagedllm::gemm_invariant_raw(x.data_ptr(), w.data_ptr(), out.data_ptr(), false, rows, n, w.size(1));
+  if (invariant) {
+    pagedllm::gemm_invariant_raw(x.data_ptr(), w.data_ptr(), out.data_ptr(), std::is_same_v<T, Bf16>, rows, n,
+                                 w.size(1));
     if (bias) out.add_(*bias);
   } else if (std::is_same_v<T, Bf16> && rows <= pagedllm::kSmallGemmMaxRows) {
     pagedllm::small_gemm_bf16_raw(data<Bf16>(x), data<Bf16>(w), data<Bf16>(out), rows, n, w.size(1));
