@@ -145,9 +145,9 @@ void check_linear(const LinearWeight& w, int64_t rows, int64_t cols, at::ScalarT
 }
 
 #if PL_AVX512
-// out = x @ w^T (+ bias) like the model's linear(). bf16: the bandwidth-bound small GEMM for a few rows (the bias
-// added to the rounded product), oneDNN's matmul beyond (the bias added before rounding, as F.linear does). fp32:
-// oneDNN, or in batch-invariant mode the fixed-order GEMM (the bias added after).
+// out = x @ w^T (+ bias) like the model's linear(). In batch-invariant mode the fixed-order GEMM (the bias added
+// after). Else bf16: the bandwidth-bound small GEMM for a few rows (the bias added to the rounded product),
+// oneDNN's matmul beyond (the bias added before rounding, as F.linear does); fp32: oneDNN.
 template <typename T>
 void linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
             bool invariant) {
