@@ -106,7 +106,8 @@ def tokens(outs) -> list[list[int]]:
 
 def hf_model_from_gguf(path: str, dtype: torch.dtype):
     """transformers' model of a GGUF file with every weight dequantized at load: the reference arithmetic in
-    `dtype` (transformers >= 5.2x otherwise keeps the blocks packed and computes in float32 whatever the dtype)."""
+    `dtype`. Recent transformers keep the blocks packed wherever the `kernels` package offers a GGUF matmul, and
+    those compute in float32 whatever the dtype; without one they dequantize anyway."""
     import os
 
     import transformers
