@@ -108,12 +108,11 @@ def hf_model_from_gguf(path: str, dtype: torch.dtype):
     """transformers' model of a GGUF file with every weight dequantized at load: the reference arithmetic in
     `dtype`. Recent transformers keep the blocks packed wherever the `kernels` package offers a GGUF matmul, and
     those compute in float32 whatever the dtype; without one they dequantize anyway."""
-    import os
-
     import transformers
 
     kwargs = {}
     if hasattr(transformers, "GgufConfig"):
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                             dtype=dtype, **kwargs).eval()
+    file = Path(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype,
+                                                             **kwargs).eval()
