@@ -78,6 +78,17 @@ inline __m512 load_bf16(const uint16_t* src) {
   return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
 
+// 16 floats stored as bf16, bit for bit as f32_to_bf16 rounds them (in integers: any AVX-512 build, BF16 or not).
+inline void store_bf16(uint16_t* dst, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));  // a NaN kept, made quiet
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
 // exp(x): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for the reduction), e^r by its degree-6 Taylor
 // polynomial (relative error ~1e-7), times 2^n with scalef. Below -104 (0 in float) x is clamped.
 inline __m512 exp_ps(__m512 x) {

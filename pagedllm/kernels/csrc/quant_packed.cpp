@@ -382,13 +382,10 @@ template <int MR>
 void store_tile(const __m512* acc, void* out, bool out_f32, int64_t ldo, int64_t m0, int64_t n0) {
   for (int j = 0; j < MR; ++j) {
     const int64_t at = (m0 + j) * ldo + n0;
-    if (out_f32) {
+    if (out_f32)
       _mm512_storeu_ps(static_cast<float*>(out) + at, acc[j]);
-    } else {
-      alignas(64) float v[16];
-      _mm512_store_ps(v, acc[j]);
-      for (int i = 0; i < 16; ++i) static_cast<uint16_t*>(out)[at + i] = f32_to_bf16(v[i]);
-    }
+    else
+      store_bf16(static_cast<uint16_t*>(out) + at, acc[j]);
   }
 }
 
