@@ -147,10 +147,6 @@ inline int code_at(const uint8_t* blk, int64_t i, int e) {
   return q;
 }
 
-inline int32_t field_int(Field f, const uint8_t* at, int64_t i) {  // a byte field
-  return f == Field::kU8 ? at[i] : static_cast<int8_t>(at[i]);
-}
-
 inline float field_at(Field f, const uint8_t* at, int64_t i) {
   switch (f) {
     case Field::kF16: return f16_at(at + 2 * i);
@@ -179,73 +175,58 @@ const uint8_t* row_codes(const uint8_t* g, int64_t k) {
 
 // ---- activations ----------------------------------------------------------------------------------------------
 struct Acts {
-  int64_t K = 0, block = 32;  // block: elements per activation scale (32, or 256 for the 256-element types)
+  int64_t K = 0;
   std::unique_ptr<int8_t[]> a;   // [M, K]
-  std::unique_ptr<float[]> d;    // [M, K / block]: scale
-  std::unique_ptr<float[]> ds;   // [M, K / 32]: scale x sum of codes (block 32)
+  std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
   std::unique_ptr<int32_t[]> s32;  // [M, K / 32]: sum of codes
   std::unique_ptr<int32_t[]> s16;  // [M, K / 16]: sum of the codes of each 16
 };
 
-// The largest |v[i]| of n (a multiple of 32) values.
-inline float amax_of(const float* v, int64_t n) {
+// One 32-block: codes round(v * 127 / amax) (half to even); sums[h] = the sum of codes 16h..16h+15; *d = amax / 127.
+inline void quantize_block(const float* v, int8_t* a, float* d, int* sums) {
 #if PL_VNNI
-  __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
-  return _mm512_reduce_max_ps(m);
-#else
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
-  return amax;
-#endif
-}
-
-// One 32-block's codes round(v * inv) (half to even); sums[h] = the sum of codes 16h..16h+15.
-inline void quantize32(const float* v, float inv, int8_t* a, int* sums) {
-#if PL_VNNI
-  const __m512 s = _mm512_set1_ps(inv);
-  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), s));
-  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16), s));
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
+  *d = amax / 127.f;
   sums[0] = _mm512_reduce_add_epi32(q0), sums[1] = _mm512_reduce_add_epi32(q1);
 #else
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
   sums[0] = sums[1] = 0;
   for (int i = 0; i < 32; ++i) {
     const int q = static_cast<int>(std::nearbyint(v[i] * inv));  // the default rounding: half to even
     a[i] = static_cast<int8_t>(q);
     sums[i / 16] += q;
   }
+  *d = amax / 127.f;
 #endif
 }
 
-// Each row of x to int8 codes with one scale per `block` elements (da = amax / 127, codes round(v * 127 / amax)):
-// per 32 for the 32-element types (llama.cpp's q8_0), per 256 for the 256-element ones (its q8_K), whose per-32
-// weight scales are then applied in integers.
-void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, int64_t block, Acts& acts) {
-  acts.K = K, acts.block = block;
+void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) {
+  acts.K = K;
   acts.a.reset(new int8_t[M * K]);
-  acts.d.reset(new float[M * K / block]);
+  acts.d.reset(new float[M * K / 32]);
   acts.ds.reset(new float[M * K / 32]);
   acts.s32.reset(new int32_t[M * K / 32]);
   acts.s16.reset(new int32_t[M * K / 16]);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    std::unique_ptr<float[]> v(new float[block]);
+    float v[32];
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t k = 0; k < K; k += block) {
+      for (int64_t k = 0; k < K; k += 32) {
         const int64_t at = m * K + k;
-        const float* vals = x_f32 ? static_cast<const float*>(x) + at : v.get();
+        const float* block = x_f32 ? static_cast<const float*>(x) + at : v;
         if (!x_f32)
-          for (int64_t i = 0; i < block; ++i) v[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
-        const float amax = amax_of(vals, block), d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        acts.d[at / block] = d;
-        for (int64_t e = 0; e < block; e += 32) {
-          int sums[2];
-          quantize32(vals + e, inv, acts.a.get() + at + e, sums);
-          const int64_t b = (at + e) / 32;
-          acts.ds[b] = d * static_cast<float>(sums[0] + sums[1]);
-          acts.s32[b] = sums[0] + sums[1], acts.s16[2 * b] = sums[0], acts.s16[2 * b + 1] = sums[1];
-        }
+          for (int i = 0; i < 32; ++i) v[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
+        float d;
+        int sums[2];
+        quantize_block(block, acts.a.get() + at, &d, sums);
+        acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sums[0] + sums[1]);
+        acts.s32[at / 32] = sums[0] + sums[1], acts.s16[at / 16] = sums[0], acts.s16[at / 16 + 1] = sums[1];
       }
   });
 }
@@ -297,7 +278,7 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
 }
 
 // acc plus a 32-block's exact integer dot isum (activation block b) times the block's scale, plus its offset term
-// (the 32-element types).
+// (types with one scale per 32; Q6_K's two per 32 are applied in block_dots).
 template <class T>
 inline __m512 scale_block(__m512i isum, __m512 ws, __m512 wo, const Acts& A, int64_t b, __m512 acc) {
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_set1_ps(A.d[b])), acc);
@@ -305,77 +286,106 @@ inline __m512 scale_block(__m512i isum, __m512 ws, __m512 wo, const Acts& A, int
   return acc;
 }
 
-// The exact integer dots of one 32-block against MR activation rows, each handed to fold(j, h, isum) as soon as it
-// is done: row j's dot over half h (or h = 0: the whole block), less kZero times those codes' sum. Integer sums
-// are exact, so how the vpdpbusd are chained changes no result; it is chosen for the latency (5 cycles) of each
-// chain. Everything is unrolled, so that the chains stay in registers (a loop over j kept them on the stack: a
-// store and a reload in every row's chain, which halved the GEMM's rate).
-template <class T, int MR, class Fold>
-inline void block_isums(const __m512i* c, const Acts& A, int64_t m0, int64_t k, Fold&& fold) {
-  constexpr int H = T::kHalves;
-  const int8_t* a[MR];
-  int64_t b[MR];
+// The dots of one 32-block against MR activation rows, folded into acc by the block's scales. Integer sums are
+// exact, so how the vpdpbusd are chained changes no result; it is chosen for the latency (5 cycles) of each chain.
+template <class T, int MR>
+inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, const Acts& A, int64_t m0, int64_t k,
+                       __m512* acc) {
+  // everything unrolled, so that the accumulators and chains stay in registers (a loop over j kept them on the
+  // stack: a store and a reload in every row's chain, which halved the GEMM's rate)
+  if constexpr (T::kHalves == 1 && MR > 2) {
+    // Many rows, one scale per block: one chain per row over the whole block, the rows interleaved step by step, so
+    // that MR independent chains are in flight (two chains per row, a row at a time, left the rows latency-bound;
+    // BENCHMARKS.md, issue 29). A fixed zero starts the chain at -kZero * (codes' sum).
+    __m512i chain[MR];
+    const int8_t* a[MR];
+    int64_t b[MR];
 #pragma GCC unroll 8
-  for (int j = 0; j < MR; ++j) a[j] = A.a.get() + (m0 + j) * A.K + k, b[j] = ((m0 + j) * A.K + k) / 32;
-  // a half's chain starts at -kZero * (its codes' sum): the zero taken off in integers (constants 0 fold away)
-  auto start = [&](int j, int h) -> int32_t {
-    if constexpr (T::kHasMin) return 0;
-    return -T::kZero * (H == 1 ? A.s32[b[j]] : A.s16[2 * b[j] + h]);
-  };
-  auto dot4 = [&](__m512i chain, int j, int s) {
-    int32_t four;
-    std::memcpy(&four, a[j] + 4 * s, 4);
-    return _mm512_dpbusd_epi32(chain, c[s], _mm512_set1_epi32(four));
-  };
-  if constexpr (MR > 2) {
-    // Many rows: one chain per row and half, the rows interleaved step by step, so that MR independent chains are
-    // in flight (two chains per row, a row at a time, left the rows latency-bound; BENCHMARKS.md, issue 29).
+    for (int j = 0; j < MR; ++j) {
+      a[j] = A.a.get() + (m0 + j) * A.K + k;
+      b[j] = ((m0 + j) * A.K + k) / 32;
+      chain[j] = _mm512_set1_epi32(T::kHasMin ? 0 : -T::kZero * A.s32[b[j]]);
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s)
+#pragma GCC unroll 8
+      for (int j = 0; j < MR; ++j) {
+        int32_t four;
+        std::memcpy(&four, a[j] + 4 * s, 4);
+        chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
+      }
+#pragma GCC unroll 8
+    for (int j = 0; j < MR; ++j) acc[j] = scale_block<T>(chain[j], ws[0], wo[0], A, b[j], acc[j]);
+  } else if constexpr (T::kHalves == 2 && MR > 2) {
+    // Many rows, a scale per 16 (Q6_K): the same, one chain per row and half; the first half's scaled sum waits in
+    // t while the second half's chains run.
+    static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
+    const int8_t* a[MR];
+    int64_t b[MR];
+    __m512 t[MR];
+#pragma GCC unroll 8
+    for (int j = 0; j < MR; ++j) a[j] = A.a.get() + (m0 + j) * A.K + k, b[j] = ((m0 + j) * A.K + k) / 32;
 #pragma GCC unroll 2
-    for (int h = 0; h < H; ++h) {
+    for (int h = 0; h < 2; ++h) {
       __m512i chain[MR];
 #pragma GCC unroll 8
-      for (int j = 0; j < MR; ++j) chain[j] = _mm512_set1_epi32(start(j, h));
+      for (int j = 0; j < MR; ++j) chain[j] = _mm512_set1_epi32(-T::kZero * A.s16[2 * b[j] + h]);
+#pragma GCC unroll 4
+      for (int s = 4 * h; s < 4 * h + 4; ++s)
 #pragma GCC unroll 8
-      for (int s = h * 8 / H; s < (h + 1) * 8 / H; ++s)
+        for (int j = 0; j < MR; ++j) {
+          int32_t four;
+          std::memcpy(&four, a[j] + 4 * s, 4);
+          chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
+        }
 #pragma GCC unroll 8
-        for (int j = 0; j < MR; ++j) chain[j] = dot4(chain[j], j, s);
-#pragma GCC unroll 8
-      for (int j = 0; j < MR; ++j) fold(j, h, chain[j]);
+      for (int j = 0; j < MR; ++j) {
+        if (h == 0) {
+          t[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(chain[j]), ws[0]);
+        } else {
+          t[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[j]), ws[1], t[j]);
+          acc[j] = _mm512_fmadd_ps(t[j], _mm512_set1_ps(A.d[b[j]]), acc[j]);
+        }
+      }
     }
   } else {
     // A few rows (decode): a row at a time, each half of its block in two chains of two (two chains of four left a
     // row latency-bound).
+    // A fixed zero starts each half's first chain at -kZero * (its codes' sum).
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) {
+      const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
+      const int64_t b = ((m0 + j) * A.K + k) / 32;
+      int32_t start[2] = {0, 0};  // each half's first chain starts here (constants 0 fold away)
+      if constexpr (!T::kHasMin && T::kHalves == 1) start[0] = -T::kZero * A.s32[b];
+      if constexpr (!T::kHasMin && T::kHalves == 2)
+        start[0] = -T::kZero * A.s16[2 * b], start[1] = -T::kZero * A.s16[2 * b + 1];
       __m512i chain[4];
-#pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) {
-        chain[q] = _mm512_set1_epi32(q == 0 || (H == 2 && q == 2) ? start(j, q / 2) : 0);
-        chain[q] = dot4(dot4(chain[q], j, 2 * q), j, 2 * q + 1);
+        chain[q] = q % 2 == 0 ? _mm512_set1_epi32(start[q / 2]) : _mm512_setzero_si512();
+        for (int s = 2 * q; s < 2 * q + 2; ++s) {
+          int32_t four;
+          std::memcpy(&four, a + 4 * s, 4);
+          chain[q] = _mm512_dpbusd_epi32(chain[q], c[s], _mm512_set1_epi32(four));
+        }
       }
       const __m512i part[2] = {_mm512_add_epi32(chain[0], chain[1]), _mm512_add_epi32(chain[2], chain[3])};
-      if constexpr (H == 1) {
-        fold(j, 0, _mm512_add_epi32(part[0], part[1]));
+      if constexpr (T::kHalves == 1) {
+        acc[j] = scale_block<T>(_mm512_add_epi32(part[0], part[1]), ws[0], wo[0], A, b, acc[j]);
       } else {
-        fold(j, 0, part[0]);
-        fold(j, 1, part[1]);
+        static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
+        acc[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(A.d[b]), acc[j]);
       }
     }
   }
-}
-
-// A 256-element type's per-32 integer field for 16 rows.
-inline __m512i field16i(Field f, const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return f == Field::kU8 ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v);
 }
 
 // prefetch: whether this tile streams the group from memory (the first of a pass; the later ones find it cached)
 template <class T, int MR>
 void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc, bool prefetch) {
   using P = Packed<T>;
-  constexpr int H = T::kHalves;
-  constexpr bool kIntScales = T::kBlock == 256;  // quant_types.h: the per-32 scales applied in integers
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < A.K; k += T::kBlock) {
@@ -384,61 +394,18 @@ void group_tile(const uint8_t* g, const Acts& A, int64_t m0, __m512* acc, bool p
     // prefetcher, a few lines per 32-block (a whole 256-block unit's lines at once stalled the loads behind them)
     for (int64_t l = 0; prefetch && l < P::kHeadBytes; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
-    // 256-element types: row j's sums of scale x dot (isc) and of min x codes' sum (imn)
-    __m512i isc[MR], imn[MR], mins = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = 0; j < MR; ++j) isc[j] = imn[j] = _mm512_setzero_si512();
+    __m512 head[T::kNumHead + 1];
+    for (int f = 0; f < T::kNumHead; ++f) head[f] = field16(T::kHead[f], p + P::head_offset(f));
     for (int64_t b = 0; b < P::kBlocks; ++b) {
       const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
       for (int64_t l = 0; prefetch && l < P::kBlockBytes; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
+      __m512 f[P::kNumPer32], ws[T::kHalves], wo[T::kHalves];
+      for (int i = 0; i < P::kNumPer32; ++i) f[i] = field16(T::kPer32[i], blk + P::per32_offset(i));
+      T::template scales<__m512>(head, f, ws, wo);
       __m512i c[8];
       load_codes<T::kCodes>(blk, c);
-      if constexpr (kIntScales) {
-        __m512i sc[H];
-        for (int h = 0; h < H; ++h) sc[h] = field16i(T::kPer32[h], blk + P::per32_offset(h));
-        block_isums<T, MR>(c, A, m0, k + 32 * b, [&](int j, int h, __m512i isum) {
-          isc[j] = _mm512_add_epi32(isc[j], _mm512_mullo_epi32(isum, sc[h]));
-        });
-        if constexpr (T::kHasMin) {
-          // the mins of blocks 2i and 2i + 1 as int16 pairs: one vpdpwssd per two blocks and row
-          const __m512i mn = field16i(T::kPer32[H], blk + P::per32_offset(H));
-          if (b % 2 == 0) {
-            mins = mn;
-          } else {
-            mins = _mm512_or_si512(mins, _mm512_slli_epi32(mn, 16));
-#pragma GCC unroll 8
-            for (int j = 0; j < MR; ++j) {
-              const int32_t* s = A.s32.get() + ((m0 + j) * A.K + k + 32 * b) / 32;
-              const int32_t pair = static_cast<int32_t>((static_cast<uint32_t>(s[0]) << 16) | (s[-1] & 0xffff));
-              imn[j] = _mm512_dpwssd_epi32(imn[j], mins, _mm512_set1_epi32(pair));
-            }
-          }
-        }
-      } else {
-        static_assert(H == 1, "the 32-element types have one scale per block");
-        __m512 f[P::kNumPer32], ws[1], wo[1];
-        for (int i = 0; i < P::kNumPer32; ++i) f[i] = field16(T::kPer32[i], blk + P::per32_offset(i));
-        T::template scales<__m512>(nullptr, f, ws, wo);
-        block_isums<T, MR>(c, A, m0, k + 32 * b, [&](int j, int, __m512i isum) {
-          acc[j] = scale_block<T>(isum, ws[0], wo[0], A, ((m0 + j) * A.K + k + 32 * b) / 32, acc[j]);
-        });
-      }
-    }
-    if constexpr (kIntScales) {
-      // acc += float(isc) * (d * da) [+ float(imn) * (-dmin * da)]: one activation scale da per 256
-      const __m512 d = field16(T::kHead[0], p + P::head_offset(0));
-      __m512 neg_dmin = _mm512_setzero_ps();
-      if constexpr (T::kHasMin)
-        neg_dmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(field16(T::kHead[1], p + P::head_offset(1))),
-                                                        _mm512_set1_epi32(INT32_MIN)));
-#pragma GCC unroll 8
-      for (int j = 0; j < MR; ++j) {
-        const __m512 da = _mm512_set1_ps(A.d[((m0 + j) * A.K + k) / 256]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[j]), _mm512_mul_ps(d, da), acc[j]);
-        if constexpr (T::kHasMin)
-          acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imn[j]), _mm512_mul_ps(neg_dmin, da), acc[j]);
-      }
+      block_dots<T, MR>(c, ws, wo, A, m0, k + 32 * b, acc);
     }
   }
 }
@@ -465,39 +432,25 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
 // The same arithmetic one output at a time.
 template <class T, int MR>
 void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0, bool) {
-  using P = Packed<T>;
-  constexpr int H = T::kHalves;
   for (int j = 0; j < MR; ++j)
     for (int i = 0; i < kGroupRows; ++i) {
       float acc = 0.f;
-      int32_t isc = 0, imn = 0;  // 256-element types (see group_tile)
       for (int64_t k = 0; k < A.K; k += 32) {
+        float ws[T::kHalves], wo[T::kHalves];
+        row_scales<T>(g, i, k, ws, wo);
         const uint8_t* blk = row_codes<T>(g, k);
         const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
-        const int64_t b = ((m0 + j) * A.K + k) / 32;
         int32_t part[2] = {0, 0};
         for (int e = 0; e < 32; ++e) part[e / 16] += operand<T::kCodes>(code_at<T::kCodes>(blk, i, e)) * a[e];
-        if constexpr (T::kBlock == 256) {
-          for (int h = 0; h < H; ++h) {
-            const int32_t isum = H == 1 ? part[0] + part[1] - (T::kHasMin ? 0 : T::kZero * A.s32[b])
-                                        : part[h] - T::kZero * A.s16[2 * b + h];
-            isc += isum * field_int(T::kPer32[h], blk + P::per32_offset(h), i);
-          }
-          if constexpr (T::kHasMin) imn += field_int(T::kPer32[H], blk + P::per32_offset(H), i) * A.s32[b];
-          if ((k + 32) % 256 == 0) {
-            const uint8_t* unit = g + k / 256 * P::kUnitBytes;
-            const float da = A.d[((m0 + j) * A.K + k) / 256];
-            acc = std::fma(static_cast<float>(isc), field_at(T::kHead[0], unit + P::head_offset(0), i) * da, acc);
-            if constexpr (T::kHasMin)
-              acc = std::fma(static_cast<float>(imn), -field_at(T::kHead[1], unit + P::head_offset(1), i) * da, acc);
-            isc = imn = 0;
-          }
-        } else {
-          float ws[1], wo[1];
-          row_scales<T>(g, i, k, ws, wo);
+        const int64_t b = ((m0 + j) * A.K + k) / 32;
+        if constexpr (T::kHalves == 1) {
           const int32_t isum = part[0] + part[1] - (T::kHasMin ? 0 : T::kZero * A.s32[b]);
           acc = std::fma(static_cast<float>(isum), ws[0] * A.d[b], acc);
           if constexpr (T::kHasMin) acc = std::fma(wo[0], A.ds[b], acc);
+        } else {
+          const float t0 = static_cast<float>(part[0] - T::kZero * A.s16[2 * b]) * ws[0];
+          const float t = std::fma(static_cast<float>(part[1] - T::kZero * A.s16[2 * b + 1]), ws[1], t0);
+          acc = std::fma(t, A.d[b], acc);
         }
       }
       const int64_t at = (m0 + j) * ldo + n0 + i;
@@ -557,12 +510,9 @@ void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base
                        int64_t M, int64_t N, int64_t K, int64_t ldo) {
   TORCH_CHECK(packable(base, N, K), "quant_gemm: packed type ", base, " with N ", N, ", K ", K, " is not packable");
   if (M == 0) return;
-  visit_type(base, [&](auto tag) {
-    using T = typename decltype(tag)::traits;
-    Acts acts;
-    quantize_acts(x, x_f32, M, K, T::kBlock, acts);
-    gemm<T>(acts, w, out, out_f32, M, N, ldo);
-  });
+  Acts acts;
+  quantize_acts(x, x_f32, M, K, acts);
+  visit_type(base, [&](auto tag) { gemm<typename decltype(tag)::traits>(acts, w, out, out_f32, M, N, ldo); });
 }
 
 }  // namespace pagedllm
