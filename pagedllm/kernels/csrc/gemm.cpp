@@ -107,6 +107,21 @@ inline void tile_bf16(const uint16_t* const* xr, const uint16_t* const* wr, int6
   }
   _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
 }
+
+// One x row against the kTileCols weight rows, the same sums as tile_bf16 gives that row, one weight row after the
+// other: a decode step reads the weights in one sequential stream (four interleaved short streams ran at 0.7x
+// on 576-wide rows).
+inline void row_bf16(const uint16_t* x, const uint16_t* const* wr, int64_t K, float* sums) {
+  __m512 acc[16];
+  for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+  for (int j = 0; j < kTileCols; ++j)
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << (K - k)) - 1u);
+      acc[j] = _mm512_dpbf16_ps(acc[j], reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, x + k)),
+                                reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, wr[j] + k)));
+    }
+  _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
+}
 #endif
 
 void store(void* out, bool bf16, int64_t idx, float v) {
@@ -135,7 +150,7 @@ void gemm_columns_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int6
         if (r == kTileRows)
           tile_bf16<kTileRows>(xr, wr, K, sums);
         else
-          tile_bf16<1>(xr, wr, K, sums);
+          row_bf16(xr[0], wr, K, sums);
         for (int64_t a = 0; a < r; ++a)
           for (int64_t j = 0; j < ncols; ++j) out[(m0 + i + a) * N + n + j] = pagedllm::f32_to_bf16(sums[a * kTileCols + j]);
         i += r;
