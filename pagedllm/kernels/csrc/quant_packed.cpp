@@ -286,6 +286,20 @@ inline __m512 scale_block(__m512i isum, __m512 ws, __m512 wo, const Acts& A, int
   return acc;
 }
 
+// Steps s0..s1 - 1 of a 32-block's dots against MR activation rows (step s: codes c[s], the rows' bytes 4s..4s+3),
+// the rows interleaved step by step so that MR independent chains are in flight.
+template <int MR>
+inline void interleaved_steps(__m512i* chain, const int8_t* const* a, const __m512i* c, int s0, int s1) {
+#pragma GCC unroll 8
+  for (int s = s0; s < s1; ++s)
+#pragma GCC unroll 8
+    for (int j = 0; j < MR; ++j) {
+      int32_t four;
+      std::memcpy(&four, a[j] + 4 * s, 4);
+      chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
+    }
+}
+
 // The dots of one 32-block against MR activation rows, folded into acc by the block's scales. Integer sums are
 // exact, so how the vpdpbusd are chained changes no result; it is chosen for the latency (5 cycles) of each chain.
 template <class T, int MR>
@@ -306,14 +320,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
       b[j] = ((m0 + j) * A.K + k) / 32;
       chain[j] = _mm512_set1_epi32(T::kHasMin ? 0 : -T::kZero * A.s32[b[j]]);
     }
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s)
-#pragma GCC unroll 8
-      for (int j = 0; j < MR; ++j) {
-        int32_t four;
-        std::memcpy(&four, a[j] + 4 * s, 4);
-        chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
-      }
+    interleaved_steps<MR>(chain, a, c, 0, 8);
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) acc[j] = scale_block<T>(chain[j], ws[0], wo[0], A, b[j], acc[j]);
   } else if constexpr (T::kHalves == 2 && MR > 2) {
@@ -330,14 +337,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
       __m512i chain[MR];
 #pragma GCC unroll 8
       for (int j = 0; j < MR; ++j) chain[j] = _mm512_set1_epi32(-T::kZero * A.s16[2 * b[j] + h]);
-#pragma GCC unroll 4
-      for (int s = 4 * h; s < 4 * h + 4; ++s)
-#pragma GCC unroll 8
-        for (int j = 0; j < MR; ++j) {
-          int32_t four;
-          std::memcpy(&four, a[j] + 4 * s, 4);
-          chain[j] = _mm512_dpbusd_epi32(chain[j], c[s], _mm512_set1_epi32(four));
-        }
+      interleaved_steps<MR>(chain, a, c, 4 * h, 4 * h + 4);
 #pragma GCC unroll 8
       for (int j = 0; j < MR; ++j) {
         if (h == 0) {
