@@ -90,18 +90,21 @@ inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sum
 #endif
 
 #if PL_AVX512_BF16
-// The bf16 path: R x kTileCols dot products of bf16 rows, 32 elements (16 pairs) per vdpbf16ps, the K tail loaded
-// as zeros.
-template <int R>
+// The bf16 elements k.. of a row of K that one vdpbf16ps takes: 32, fewer (the rest zeros) at the K tail.
+inline __m512bh load32_bf16(const uint16_t* row, int64_t k, int64_t K) {
+  const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << (K - k)) - 1u);
+  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, row + k));
+}
+
+// The bf16 path: kTileRows x kTileCols dot products of bf16 rows, 32 elements (16 pairs) per vdpbf16ps.
 inline void tile_bf16(const uint16_t* const* xr, const uint16_t* const* wr, int64_t K, float* sums) {
   __m512 acc[16];
   for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << (K - k)) - 1u);
     __m512bh wv[kTileCols];
-    for (int j = 0; j < kTileCols; ++j) wv[j] = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, wr[j] + k));
-    for (int i = 0; i < R; ++i) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, xr[i] + k));
+    for (int j = 0; j < kTileCols; ++j) wv[j] = load32_bf16(wr[j], k, K);
+    for (int i = 0; i < kTileRows; ++i) {
+      const __m512bh xv = load32_bf16(xr[i], k, K);
       for (int j = 0; j < kTileCols; ++j) acc[i * kTileCols + j] = _mm512_dpbf16_ps(acc[i * kTileCols + j], xv, wv[j]);
     }
   }
@@ -109,17 +112,13 @@ inline void tile_bf16(const uint16_t* const* xr, const uint16_t* const* wr, int6
 }
 
 // One x row against the kTileCols weight rows, the same sums as tile_bf16 gives that row, one weight row after the
-// other: a decode step reads the weights in one sequential stream (four interleaved short streams ran at 0.7x
-// on 576-wide rows).
+// other: a decode step reads the weights as one sequential stream (four short interleaved streams were slower on
+// narrow rows).
 inline void row_bf16(const uint16_t* x, const uint16_t* const* wr, int64_t K, float* sums) {
   __m512 acc[16];
   for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
   for (int j = 0; j < kTileCols; ++j)
-    for (int64_t k = 0; k < K; k += 32) {
-      const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << (K - k)) - 1u);
-      acc[j] = _mm512_dpbf16_ps(acc[j], reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, x + k)),
-                                reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, wr[j] + k)));
-    }
+    for (int64_t k = 0; k < K; k += 32) acc[j] = _mm512_dpbf16_ps(acc[j], load32_bf16(x, k, K), load32_bf16(wr[j], k, K));
   _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
 }
 #endif
@@ -148,7 +147,7 @@ void gemm_columns_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int6
         const uint16_t* xr[kTileRows];
         for (int64_t a = 0; a < r; ++a) xr[a] = x + (m0 + i + a) * K;
         if (r == kTileRows)
-          tile_bf16<kTileRows>(xr, wr, K, sums);
+          tile_bf16(xr, wr, K, sums);
         else
           row_bf16(xr[0], wr, K, sums);
         for (int64_t a = 0; a < r; ++a)
