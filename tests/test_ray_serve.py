@@ -97,7 +97,8 @@ def wait_for(cond, timeout: float, what: str):
 def test_both_replicas_serve_and_report(server, client, engine):
     rng = random.Random(time.time_ns())
     for _ in range(6):  # distinct prompts: no useful prefix, so least-loaded spreads them
-        r = client.completions.create(model="smol", prompt=ids(rng, 40), max_tokens=3, temperature=0)
+        r = client.completions.create(model="smol", prompt=ids(rng, 40), max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})  # a random model may pick EOS first
         assert r.usage.completion_tokens == 3
     served = wait_for(lambda: (m := replica_metric(server, "pagedllm_prompt_tokens_total"))
                       and all(m.get(k, 0) > 0 for k in ("0", "1")) and m, 10, "both replicas' metrics")
@@ -215,7 +216,8 @@ def test_killed_replica_fails_only_its_requests_and_comes_back(server, engine):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     t0 = time.monotonic()
     for _ in range(3):
-        r = client.completions.create(model="smol", prompt=ids(rng, 20), max_tokens=2, temperature=0)
+        r = client.completions.create(model="smol", prompt=ids(rng, 20), max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
     assert time.monotonic() - t0 < 60
     health = httpx.get(server.url + "/health").json()
