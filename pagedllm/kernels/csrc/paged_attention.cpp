@@ -4,9 +4,10 @@
 // Batch-invariant mode (mode.invariant): a query row's output must not depend on the other rows of its tile (how the
 // prompt was chunked, whether its prefix came from the cache), on the other requests, or on the thread count.
 // Each path computes a row on its own, but the dot and lanes paths sum in different orders, and the context
-// split depends on the batch. So in this mode every tile takes the fp32 dot path (its per-row arithmetic does
-// not depend on the tile's other rows: masked keys add exact zeros), and a context is cut into slices at fixed
-// key positions (multiples of kInvariantSliceKeys) whatever the batch, merged in slice order.
+// split depends on the batch. So in this mode every tile takes a dot path, the bf16 one where q and the cache are
+// bf16 on an AVX512-BF16 build and the fp32 one elsewhere (their per-row arithmetic does not depend on the tile's
+// other rows: masked keys add exact zeros), and a context is cut into slices at fixed key positions (multiples of
+// kInvariantSliceKeys) whatever the batch, merged in slice order.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,18 +40,16 @@ void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) 
 #if PL_VNNI
   if (p.kv_int8) return attend_dot_int8<ND>(p, it, s, partials);  // every tile, in both modes
 #endif
-  if (p.invariant) return attend_dot<ND>(p, it, s, partials);
-  const bool lanes = uses_lanes(p, it.t1 - it.t0);
 #if PL_AVX512_BF16
   if (p.q_bf16 && p.kv_bf16) {
-    if (lanes)
+    if (!p.invariant && uses_lanes(p, it.t1 - it.t0))
       attend_lanes_bf16<ND>(p, it, s, partials);
     else
       attend_dot_bf16<ND>(p, it, s, partials);
     return;
   }
 #endif
-  if (lanes)
+  if (!p.invariant && uses_lanes(p, it.t1 - it.t0))
     attend_lanes<ND>(p, it, s, partials);
   else
     attend_dot<ND>(p, it, s, partials);
@@ -78,7 +77,7 @@ bool one_item_per_token_row(const Problem& p, KernelMode mode, int64_t tokens) {
   if (p.kv_int8) return p.hkv <= kDotInt8MaxHeads;  // every tile takes the int8 dot path, in both modes
 #endif
 #if PL_AVX512_BF16
-  return !mode.invariant && p.q_bf16 && p.kv_bf16 && !uses_lanes(p, tokens);
+  return p.q_bf16 && p.kv_bf16 && (mode.invariant || !uses_lanes(p, tokens));
 #else
   return false;
 #endif
