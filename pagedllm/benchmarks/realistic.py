@@ -3,8 +3,9 @@
 `pagedllm bench realistic --model F.gguf` or `--shape tinyllama-1.1b --type Q4_0` (the file is written once by
 `bench make-model` into the cache). Every system runs in its own processes (peak RSS is per process): a
 "single" process loads the model with a 2048-token context budget and measures load time, single-stream decode
-(8-token prompt, greedy, EOS ignored) and prefill (llama.cpp: llama-server with one slot and its own timings,
-where it was built); an "offline" process runs 32 concurrent requests (prompts of
+(8-token prompt, greedy, EOS ignored), decode deep in the context (64 tokens after a 1536-token prompt: the KV
+rows each step reads come to ~10-20% of the weight bytes on 1-3B shapes) and prefill (llama.cpp: llama-server with
+one slot and its own timings, where it was built); an "offline" process runs 32 concurrent requests (prompts of
 64-448 tokens, 128 output tokens each): pagedllm batches them, llama.cpp runs them batched too, through
 llama-server with one slot per request (`--parallel 32`, continuous batching; llama-cpp-python's one-stream API
 only where no llama-server was built, and then over the first few requests). Ratios are of numbers taken in the
@@ -35,6 +36,7 @@ from pagedllm.dtypes import auto_dtype
 
 SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"}, "llama.cpp": {}}
 CONTEXT = 2048  # tokens of KV cache for the single-stream process (llama.cpp's n_ctx, pagedllm's blocks)
+LONG_PROMPT = 1536  # the prompt of the decode-deep-in-the-context figure
 
 
 def _workloads(model: str, quick: bool) -> dict:
@@ -46,6 +48,7 @@ def _workloads(model: str, quick: bool) -> dict:
     offline = common.offline_workload(n_req, prompt_len, out_len, seed=1, model_path=model)
     return {"decode_prompt": common.random_prompts(rng, ids, [8])[0], "decode_tokens": 16 if quick else 64,
             "prefill_prompts": common.random_prompts(rng, ids, [128 if quick else 512] * 2),
+            "long_prompt": common.random_prompts(rng, ids, [256 if quick else LONG_PROMPT])[0],
             "offline": offline.to_json(), "llama_offline_requests": 2 if quick else 8}
 
 
@@ -67,6 +70,15 @@ class _Pagedllm:
         self.llm.engine.kv.reset_prefix_cache()
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
+    def decode_rate(self, prompt: list[int], n: int) -> float:
+        """Tokens/s of the n tokens after the first (the request's own token times: its prefill left out)."""
+        from pagedllm import SamplingParams
+
+        out = self.llm.generate([prompt], SamplingParams(max_tokens=n + 1, ignore_eos=True, temperature=0.0),
+                                use_tqdm=False)[0]
+        self.llm.engine.kv.reset_prefix_cache()
+        return n / (out.metrics.last_token_time - out.metrics.first_token_time)
+
 
 class _LlamaCpp:
     def __init__(self, model: str, kv_tokens: int | None, threads: int):
@@ -87,6 +99,16 @@ class _LlamaCpp:
                     break
             total += k
         return total
+
+    def decode_rate(self, prompt: list[int], n: int) -> float:
+        k, t0 = 0, 0.0
+        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            k += 1
+            if k == 1:
+                t0 = time.perf_counter()
+            if k == n + 1:
+                break
+        return n / (time.perf_counter() - t0)
 
 
 def _open(system: str, model: str, kv_tokens: int | None, threads: int, dtype: str):
@@ -117,9 +139,11 @@ def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
     with LlamaServer(model, threads, 1, CONTEXT) as srv:
         completion(srv, p, 2)  # warm-up
         decode = [completion(srv, p, 1 + d) for _ in range(2)]
+        deep = [completion(srv, wl["long_prompt"], 1 + d) for _ in range(2)]
         prefill = [completion(srv, q, 1) for q in wl["prefill_prompts"]]
         rss = srv.peak_rss_mb()
     return {"load_s": srv.load_s, "decode_tok_s": max(t["predicted_per_second"] for t in decode),
+            "decode_deep_tok_s": max(t["predicted_per_second"] for t in deep),
             "ttft_s": min(t["prompt_ms"] for t in decode) / 1e3,
             "prefill_tok_s": max(t["prompt_per_second"] for t in prefill), "peak_rss_mb": rss,
             "config": "llama-server -np 1"}
@@ -135,7 +159,9 @@ def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> d
     t_all = _best(lambda: m.generate([p], [1 + d]))
     prefill = wl["prefill_prompts"]
     t_prefill = min(_best(lambda q=q: m.generate([q], [1]), 1) for q in prefill)
-    return {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "ttft_s": t_first,
+    deep = max(m.decode_rate(wl["long_prompt"], d) for _ in range(2))
+    return {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "decode_deep_tok_s": deep,
+            "ttft_s": t_first,
             "prefill_tok_s": len(prefill[0]) / t_prefill, "peak_rss_mb": common.peak_rss_mb()}
 
 
@@ -300,7 +326,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
             continue
         ours, ref = by["pagedllm"], by[base]
         out.append({"pagedllm vs": base, **{k: ours[k] / ref[k] for k in
-                    ("decode_tok_s", "prefill_tok_s", "offline_out_tok_s", "peak_rss_mb", "load_s")
+                    ("decode_tok_s", "decode_deep_tok_s", "prefill_tok_s", "offline_out_tok_s", "peak_rss_mb", "load_s")
                     if k in ours and k in ref and ref[k]}})
     return out
 
