@@ -105,3 +105,18 @@ def test_roofline_counts_what_a_token_reads_and_multiplies(tmp_path, tied):
     nbytes, elements = weights_per_token(path)
     assert elements == shape.layers * per_layer
     assert nbytes == (shape.layers * per_layer + head) // 32 * 34  # Q8_0: 34 bytes per 32 weights
+
+
+def test_realistic_single_phase_runs_on_a_tiny_gguf(tmp_path):
+    """bench realistic's single-stream process for pagedllm (the peers never run here): every figure is there
+    and positive; decode deep in the context is timed from the request's own token times."""
+    from pagedllm.benchmarks.gguf_writer import tiny_shape, write_random_gguf
+    from pagedllm.benchmarks.realistic import _workloads, run_single
+
+    path = str(tmp_path / "m.gguf")
+    write_random_gguf(path, tiny_shape("llama", tied=True, vocab=49152), "Q8_0", seed=2)
+    wl = _workloads(path, quick=True)
+    assert len(wl["long_prompt"]) == 256 and len(wl["prefill_prompts"][0]) == 128
+    res = run_single("pagedllm", path, wl, threads=2, dtype="float32")
+    for key in ("load_s", "decode_tok_s", "decode_deep_tok_s", "ttft_s", "prefill_tok_s", "peak_rss_mb"):
+        assert res[key] > 0, (key, res)
