@@ -3,6 +3,8 @@ tiny Llama / Qwen2 / Qwen3 files written with the gguf package in every supporte
 
 from __future__ import annotations
 
+import gc
+
 import gguf
 import numpy as np
 import pytest
@@ -204,6 +206,7 @@ def test_truncated_gguf(tmp_path):
         t.write_bytes(data[:cut])
         with pytest.raises(InvalidModelError, match="truncated|corrupt"):
             load_model(str(t), load_tokenizer=False)
+        assert gc.isenabled()  # the load pauses the cycle collector, and gives it back when it fails too
 
 
 def test_unsupported_architecture(tmp_path):
