@@ -40,16 +40,17 @@ void attend_fast(const Problem& p, const Item& it, Scratch& s, float* partials) 
 #if PL_VNNI
   if (p.kv_int8) return attend_dot_int8<ND>(p, it, s, partials);  // every tile, in both modes
 #endif
+  const bool lanes = !p.invariant && uses_lanes(p, it.t1 - it.t0);  // invariant: every tile on a dot path
 #if PL_AVX512_BF16
   if (p.q_bf16 && p.kv_bf16) {
-    if (!p.invariant && uses_lanes(p, it.t1 - it.t0))
+    if (lanes)
       attend_lanes_bf16<ND>(p, it, s, partials);
     else
       attend_dot_bf16<ND>(p, it, s, partials);
     return;
   }
 #endif
-  if (!p.invariant && uses_lanes(p, it.t1 - it.t0))
+  if (lanes)
     attend_lanes<ND>(p, it, s, partials);
   else
     attend_dot<ND>(p, it, s, partials);
