@@ -73,6 +73,14 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
+@pytest.fixture
+def rng() -> random.Random:
+    """Fresh prompts every run; the seed is printed, so a failure's captured output shows it."""
+    seed = time.time_ns()
+    print(f"rng seed {seed}")
+    return random.Random(seed)
+
+
 def ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
 
@@ -94,8 +102,7 @@ def wait_for(cond, timeout: float, what: str):
     return result
 
 
-def test_both_replicas_serve_and_report(server, client, engine):
-    rng = random.Random(time.time_ns())
+def test_both_replicas_serve_and_report(server, client, engine, rng):
     for _ in range(6):  # distinct prompts: no useful prefix, so least-loaded spreads them
         r = client.completions.create(model="smol", prompt=ids(rng, 40), max_tokens=3, temperature=0,
                                       extra_body={"ignore_eos": True})  # a random model may pick EOS first
@@ -113,9 +120,8 @@ def test_both_replicas_serve_and_report(server, client, engine):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_kv_map_and_prefix_reset_per_replica(server, client):
+def test_kv_map_and_prefix_reset_per_replica(server, client, rng):
     """/kv/snapshot?replica=i shows replica i's pool; POST /reset_prefix_cache empties every replica's cache."""
-    rng = random.Random(time.time_ns())
     for _ in range(4):  # full blocks on both replicas, cached once the requests finish
         client.completions.create(model="smol", prompt=ids(rng, 3 * BLOCK + 1), max_tokens=1)
     def snapshot(i: int) -> dict:
@@ -132,8 +138,7 @@ def test_kv_map_and_prefix_reset_per_replica(server, client):
         assert snapshot(i)["stats"]["num_cached_blocks"] == 0
 
 
-def test_prefix_family_hits_the_cache(client):
-    rng = random.Random(time.time_ns())
+def test_prefix_family_hits_the_cache(client, rng):
     shared = ids(rng, 6 * BLOCK + 5)  # 6 full blocks shared by the family
     hits = []
     for _ in range(20):
@@ -142,12 +147,11 @@ def test_prefix_family_hits_the_cache(client):
     assert sum(hits) >= 0.9 * len(hits), hits  # only the family's first request may miss
 
 
-def test_conversation_turns_hit_under_prefix_routing_not_round_robin(client, engine):
+def test_conversation_turns_hit_under_prefix_routing_not_round_robin(client, engine, rng):
     """Each turn's prompt extends the previous one: with prefix routing it lands where the previous turn's
     blocks are cached; round-robin sends it to the other replica, which only has the turn before that."""
     from pagedllm.distributed.routing import make_policy
 
-    rng = random.Random(time.time_ns())
     covered = {}
     try:
         for name in ("round-robin", "prefix"):
@@ -176,8 +180,7 @@ def test_chat_stream_and_n(client):
     assert sorted(c.index for c in r.choices) == [0, 1]
 
 
-def test_killed_replica_fails_only_its_requests_and_comes_back(server, engine):
-    rng = random.Random(time.time_ns())
+def test_killed_replica_fails_only_its_requests_and_comes_back(server, engine, rng):
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     first_chunk = [asyncio.Event() for _ in range(4)]
     ids_seen: list[str | None] = [None] * 4
@@ -232,8 +235,7 @@ def test_killed_replica_fails_only_its_requests_and_comes_back(server, engine):
              "the restarted replica to serve")
 
 
-def test_disconnect_aborts_and_no_leaked_blocks(server, engine):
-    rng = random.Random(time.time_ns())
+def test_disconnect_aborts_and_no_leaked_blocks(server, engine, rng):
     with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"model": "smol", "prompt": ids(rng, 40), "max_tokens": 200, "ignore_eos": True,
                             "stream": True}, timeout=120) as r:

@@ -111,7 +111,7 @@ def _has_gguf_magic(path: str) -> bool:
 def _gc_paused() -> Iterator[None]:
     """No cycle collection while a model loads: a file's metadata and vocabulary (150k-token lists and dicts) make
     many container objects, each gen-0 threshold of them a collection, and the full ones walk all of torch's
-    objects too: ~10% of a 1.5B-shape load. Loading makes little cyclic garbage; reference counts free the rest."""
+    objects too. Loading makes little cyclic garbage; reference counts free the rest."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -127,8 +127,8 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention
     model has no place for, of the wrong shape, or missing is an InvalidModelError naming `source`)."""
     kw = {} if linear_method is None else {"linear_method": linear_method}
     model = registry.spec(cfg.architecture).model_cls()(cfg, dtype, attention_backend, **kw)
-    # All threads: the repack's page faults are most of a load on a VM (the host backs each fresh page) and they
-    # run in parallel (3B shape: 2.2 s on 2 threads, 3.3 s on one; 8.7 against 9.6 s with 6 busy loops beside).
+    # All threads: the repack's page faults are most of a load on a VM (the host backs each fresh page), and they
+    # run in parallel, even beside other busy processes (BENCHMARKS.md, issue 29).
     with torch.no_grad():
         try:
             load_weights(model, weights, table, cfg.num_layers)
