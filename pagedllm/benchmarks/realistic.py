@@ -24,12 +24,14 @@ round's roofline fractions are against the limits measured just before it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 from pagedllm.benchmarks import common
 from pagedllm.dtypes import auto_dtype
@@ -89,26 +91,19 @@ class _LlamaCpp:
                          n_batch=512, verbose=False)
         self.load_s = time.perf_counter() - t0
 
+    def _tokens(self, prompt: list[int], n: int) -> Iterator[int]:
+        """The first n greedy tokens of one stream (llama-cpp-python yields past EOS: stopped by count)."""
+        return itertools.islice(self.llm.generate(prompt, temp=0.0, top_k=1, reset=True), n)
+
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> int:
-        total = 0
-        for p, n in zip(prompts, max_tokens, strict=True):  # one stream at a time
-            k = 0
-            for _ in self.llm.generate(p, temp=0.0, top_k=1, reset=True):  # yields past EOS: stop by count
-                k += 1
-                if k == n:
-                    break
-            total += k
-        return total
+        return sum(sum(1 for _ in self._tokens(p, n)) for p, n in zip(prompts, max_tokens, strict=True))
 
     def decode_rate(self, prompt: list[int], n: int) -> float:
-        k, t0 = 0, 0.0
-        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            k += 1
-            if k == 1:
-                t0 = time.perf_counter()
-            if k == n + 1:
-                break
-        return n / (time.perf_counter() - t0)
+        tokens = self._tokens(prompt, n + 1)
+        next(tokens)  # the first token ends the prefill
+        t0 = time.perf_counter()
+        k = sum(1 for _ in tokens)
+        return k / (time.perf_counter() - t0)
 
 
 def _open(system: str, model: str, kv_tokens: int | None, threads: int, dtype: str):
