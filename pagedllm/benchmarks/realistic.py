@@ -55,11 +55,24 @@ def _workloads(model: str, quick: bool) -> dict:
 
 
 # ---- the systems, behind one small interface --------------------------------------------------------------
+def _context_blocks(model: str, tokens: int, block_size: int = 16) -> int:
+    """KV blocks one request of `tokens` tokens holds (llama.cpp's n_ctx): tokens / block_size per KV group, so a
+    hybrid model (Gemma 3: sliding-window and full layers) gets a block table's worth for each of its groups."""
+    from pagedllm.core.kv_groups import plan_kv_groups, request_blocks
+    from pagedllm.model.gguf_config import config_from_gguf
+    from pagedllm.model.gguf_reader import read_gguf
+
+    cfg = config_from_gguf(read_gguf(model))
+    layout = plan_kv_groups([cfg.layer_window(i) for i in range(cfg.num_layers)], tokens)
+    return request_blocks(layout.windows, block_size, tokens, step_tokens=tokens)
+
+
 class _Pagedllm:
     def __init__(self, model: str, quantization: str, kv_tokens: int | None, dtype: str):
         from pagedllm import LLM
 
-        kw = {"num_kv_blocks": kv_tokens // 16, "block_size": 16} if kv_tokens else {"kv_cache_memory": "1GiB"}
+        kw = {"num_kv_blocks": _context_blocks(model, kv_tokens), "block_size": 16} if kv_tokens \
+            else {"kv_cache_memory": "1GiB"}
         t0 = time.perf_counter()
         self.llm = LLM(model, dtype=dtype, quantization=quantization, **kw)
         self.load_s = time.perf_counter() - t0

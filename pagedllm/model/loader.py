@@ -158,8 +158,8 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
     tdtype = resolve_dtype(dtype, quantized=quantization == "int8")
     table = registry.spec(cfg.architecture).hf_names
     method = _quantized_method(quantize_floats=True) if quantization == "int8" else None
+    tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None  # first: see _load_gguf
     model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend, method, path)
-    tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)
 
@@ -180,9 +180,11 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
         table = registry.spec(cfg.architecture).gguf_names
         method = _quantized_method(quantize_floats=False) if quantization != "none" else None
         tdtype = resolve_dtype(dtype, quantized=method is not None)
+        # the tokenizer before the weights: parsing a large vocabulary's tokenizer.json peaks at several times what
+        # it keeps (model/tokenizer.py), and that peak should not sit on top of the weights
+        tok = tokenization.load_tokenizer(path, f) if load_tokenizer else None
         weights = gguf_loader.iter_gguf_weights(f, cfg, as_stored=method is not None)
         model = _build(cfg, tdtype, weights, table, attention_backend, method, path)
-        tok = tokenization.load_tokenizer(path, f) if load_tokenizer else None
     finally:
         f.close()
     _fill_eos_from_tokenizer(cfg, tok)

@@ -10,6 +10,7 @@ the transformers tokenizer from the same files for anything else (e.g. xgrammar'
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -64,6 +65,7 @@ class Tokenizer:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.backend_tokenizer = RustTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        _release_free_heap()
         config = _read_json(os.path.join(directory, "special_tokens_map.json"))
         config.update(_read_json(os.path.join(directory, "tokenizer_config.json")))
         self.special_tokens_map = {name: text for name in SPECIAL_TOKEN_NAMES
@@ -153,6 +155,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.directory!r}, vocab={len(self)})"
+
+
+def _release_free_heap() -> None:
+    """Give the heap that parsing freed back to the OS. Parsing a large tokenizer.json frees most of what it
+    allocates (Gemma 3's 262k tokens and 515k merges: ~330 MB, of which ~60 MB stay in use), and glibc keeps
+    the freed heap mapped, in the process's RSS for good. A no-op where the C library has no malloc_trim."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _clean_up_tokenization(text: str) -> str:
