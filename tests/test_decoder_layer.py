@@ -1,6 +1,7 @@
 """The fused C++ decoder layer (bf16 on the C++ backend) against the model's layer-by-layer torch path, for decode
 steps of a few tokens (small-GEMM kernel) and prefill-sized batches (oneDNN matmul, parallel pointwise stages), and
-in batch-invariant mode (the default: the invariant GEMM in both)."""
+in batch-invariant mode (the default: the invariant GEMM in both). Both layer styles: Llama's, and Gemma 3's (norms
+by 1 + w, output norms, GeGLU, sliding windows with their own RoPE base)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pagedllm.attention import build_attention_metadata
 from pagedllm.kernels import dispatch, kernel_mode
 from pagedllm.model import ModelConfig, allocate_kv_caches
 from pagedllm.model.fused_layer import fuses_layers
+from pagedllm.model.gemma3 import Gemma3ForCausalLM
 from pagedllm.model.llama import LlamaForCausalLM
 
 BLOCK = 16
@@ -24,24 +26,32 @@ CONFIGS = {
     "llama3 rope, MHA": dict(hidden_size=256, intermediate_size=384, num_heads=2, num_kv_heads=2, head_dim=128,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # a sliding layer then a full one; windows that bind in the longer contexts below
+    "gemma3, window 24": dict(architecture="gemma3", hidden_size=160, intermediate_size=448, num_heads=4,
+                              num_kv_heads=1, head_dim=64, qk_norm=True, sliding_window=24,
+                              layer_types=["sliding_attention", "full_attention"], rope_local_theta=10000.0,
+                              rope_theta=1e6, query_pre_attn_scalar=48.0),
+    "mistral, window 40": dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
+                               sliding_window=40),
 }
 
 # the batch-dependent fast paths (batch-invariant mode, the default, does not use them)
 pytestmark = pytest.mark.usefixtures("batch_dependent_kernels")
 
 
-def random_model(name: str, seed: int) -> LlamaForCausalLM:
+def random_model(name: str, seed: int) -> LlamaForCausalLM | Gemma3ForCausalLM:
     if dispatch.kernel_class("DecoderStack") is None or not dispatch.has(dispatch.AVX512_BF16):
         pytest.skip("no avx512_bf16 kernels on this CPU")
-    cfg = ModelConfig(architecture="llama", num_layers=2, vocab_size=300, max_position_embeddings=4096,
-                      rms_norm_eps=1e-5, **CONFIGS[name])
-    model = LlamaForCausalLM(cfg, torch.bfloat16, attention_backend="cpu")
+    kw = {"architecture": "llama", **CONFIGS[name]}
+    cfg = ModelConfig(num_layers=2, vocab_size=300, max_position_embeddings=4096, rms_norm_eps=1e-5, **kw)
+    gemma = cfg.architecture == "gemma3"
+    model = (Gemma3ForCausalLM if gemma else LlamaForCausalLM)(cfg, torch.bfloat16, attention_backend="cpu")
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.data = (torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 1 else 0.08)).bfloat16()
-    for layer in model.layers:  # norm weights around 1, as trained models have them
-        for norm in (layer.input_norm, layer.post_norm):
-            norm.weight.data = (1 + 0.2 * torch.randn(norm.weight.shape, generator=g)).bfloat16()
+    for mod_name, mod in model.named_modules():  # norms that scale by about 1, as trained models' do
+        if mod_name.endswith("norm") and "layers." in mod_name:  # Gemma's scale by 1 + w
+            mod.weight.data = (int(not gemma) + 0.2 * torch.randn(mod.weight.shape, generator=g)).bfloat16()
     return model
 
 

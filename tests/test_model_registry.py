@@ -60,12 +60,13 @@ def test_features_and_fused_gate():
     assert tiny_config(sliding_window=64).features() == {registry.SLIDING_WINDOW}
     llama = registry.spec("llama")
     assert llama.runs_fused_layer(tiny_config(qkv_bias=True).features())
-    assert not llama.runs_fused_layer(tiny_config(sliding_window=64).features())
-    llama.check_features(tiny_config(sliding_window=64).features())  # windows: torch layers, windowed kernels
+    assert llama.runs_fused_layer(tiny_config(sliding_window=64).features())  # the stack passes each its window
+    assert registry.spec("gemma3").runs_fused_layer({registry.QK_NORM, registry.SLIDING_WINDOW})
+    assert not llama.runs_fused_layer({"a_feature_the_stack_lacks"})
     with pytest.raises(registry.UnsupportedModelError, match="gemma3 models with qkv_bias"):
         registry.spec("gemma3").check_features(tiny_config(qkv_bias=True).features())
     assert LlamaForCausalLM(tiny_config())._fused_capable
-    assert not LlamaForCausalLM(tiny_config(sliding_window=64))._fused_capable
+    assert LlamaForCausalLM(tiny_config(sliding_window=64))._fused_capable
 
 
 class DoublingMethod(DenseLinearMethod):

@@ -43,18 +43,19 @@ def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
     return h.dtype == torch.float32 and any(lin.method.segmented for lin in model.layers[0].linears())
 
 
-def run_fused_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def run_fused_layers(model, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                      kv_caches: KVCacheList, meta: AttentionMetadata | list[AttentionMetadata]) -> None:
     """h through every decoder layer and the final norm, in place: one stack call for each run of layers that share
-    their attention metadata (all the layers but where KV groups give each its own)."""
+    their attention metadata (all the layers but where KV groups give each its own) and their RoPE (cos, sin)
+    (ropes: one pair per layer; Gemma's sliding layers have their own base)."""
     metas = per_layer(meta, len(model.layers))
     stack, invariant = _bound_stack(model), dispatch.current_mode().invariant
     first = 0
     while first < len(metas):
         end = first + 1
-        while end < len(metas) and metas[end] is metas[first]:
+        while end < len(metas) and metas[end] is metas[first] and ropes[end] is ropes[first]:
             end += 1
-        m = metas[first]
+        m, (cos, sin) = metas[first], ropes[first]
         stack.forward(h, cos, sin, kv_caches.pool, kv_caches.pool_rows, m.slot_mapping, m.block_tables,
                       m.seq_lens, m.query_start_loc, first, end - first, invariant)
         first = end
@@ -68,7 +69,7 @@ def _bound_stack(model):
         cfg, attn = model.config, model.layers[0].attn
         stack = dispatch.kernel_class("DecoderStack")(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                       cfg.intermediate_size, cfg.rms_norm_eps, attn.scale,
-                                                      model.norm.weight)
+                                                      model.norm.weight, model.FUSED_STYLE)
         for layer in model.layers:
             stack.add_layer(*layer.fused_weights())
         model._decoder_stack = stack

@@ -15,9 +15,10 @@ from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.attention.metadata import per_layer
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
+from pagedllm.model.fused_layer import can_fuse, fuses_layers, run_fused_layers
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RotaryEmbedding, frozen_param
-from pagedllm.model.linear import LinearMethod
+from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP, gelu_tanh
 
 
@@ -53,8 +54,22 @@ class Gemma3DecoderLayer(nn.Module):
         h = h + self.post_attn_norm(self.attn(self.input_norm(h), cos, sin, kv_cache, meta, backend))
         return h + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(h)))
 
+    def linears(self) -> tuple[Linear, ...]:
+        return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
+
+    def fused_weights(self) -> tuple:
+        """The layer's arguments to DecoderStack.add_layer (csrc/decoder_layer.cpp), in its order (see
+        llama.DecoderLayer.fused_weights): the norm before the MLP in the post_norm place, the norms of the
+        attention's and the MLP's outputs last."""
+        a = self.attn
+        w = {lin: lin.method.fused_segments(lin) for lin in self.linears()}
+        return (self.input_norm.weight, *w[a.qkv], None, a.q_norm.weight, a.k_norm.weight, *w[a.o], None,
+                self.pre_mlp_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down], a.window or 0,
+                self.post_attn_norm.weight, self.post_mlp_norm.weight)
+
 
 class Gemma3ForCausalLM(CausalLM):
+    FUSED_STYLE = 1  # decoder_layer.cpp's Style: kGemma
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", linear_method: LinearMethod | None = None):
         super().__init__(cfg, dtype, attention_backend, linear_method, norm=GemmaRMSNorm)
@@ -63,6 +78,8 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None)
         # transformers multiplies by sqrt(hidden) rounded to the model's dtype
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
+        self.fused_layers = True  # the layers in one C++ call where the kernels allow (fused_layer.py decides)
+        self._fused_capable = can_fuse(cfg, (m for m in self.modules() if isinstance(m, Linear)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -70,6 +87,9 @@ class Gemma3ForCausalLM(CausalLM):
         """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids) * self.embed_scale
         rope = {False: self.rotary(positions, self.dtype), True: self.rotary_local(positions, self.dtype)}
+        if fuses_layers(self, h, kv_caches):  # every layer and the final norm in C++, h updated in place
+            run_fused_layers(self, h, [rope[layer.sliding] for layer in self.layers], kv_caches, meta)
+            return h
         for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
             h = layer(h, *rope[layer.sliding], kv, m, self.attn_backend)
         return self.norm(h)

@@ -44,10 +44,11 @@ class DecoderLayer(nn.Module):
         q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.cfg.qk_norm else (None, None)
         w = {lin: lin.method.fused_segments(lin) for lin in self.linears()}
         return (self.input_norm.weight, *w[a.qkv], a.qkv.bias, q_norm, k_norm, *w[a.o], a.o.bias,
-                self.post_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down])
+                self.post_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down], a.window or 0, None, None)
 
 
 class LlamaForCausalLM(CausalLM):
+    FUSED_STYLE = 0  # decoder_layer.cpp's Style: kLlama
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", linear_method: LinearMethod | None = None):
         super().__init__(cfg, dtype, attention_backend, linear_method)
@@ -65,7 +66,7 @@ class LlamaForCausalLM(CausalLM):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, self.dtype)
         if fuses_layers(self, h, kv_caches):  # every layer and the final norm in C++, h updated in place
-            run_fused_layers(self, h, cos, sin, kv_caches, meta)
+            run_fused_layers(self, h, [(cos, sin)] * len(self.layers), kv_caches, meta)
             return h
         for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
             h = layer(h, cos, sin, kv, m, self.attn_backend)

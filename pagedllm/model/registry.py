@@ -16,9 +16,9 @@ from pagedllm.model.errors import UnsupportedModelError  # noqa: F401  (raised h
 QKV_BIAS, O_BIAS, QK_NORM = "qkv_bias", "o_bias", "qk_norm"
 SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddings", "rope_scaling"
 
-# What decoder_layer.cpp computes: a pre-norm Llama layer with these optional parts. A model runs its layers
-# fused only when its spec says its layer is that layer and its config uses nothing outside this set.
-FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING})
+# What decoder_layer.cpp computes: a pre-norm layer (Llama's or Gemma 3's) with these optional parts. A model runs
+# its layers fused only when its spec says its layer is one of those and its config uses nothing outside this set.
+FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW})
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ArchSpec:
     hf_names: dict[str, weight_names.Target]  # safetensors name -> our parameter
     gguf_names: dict[str, weight_names.Target]  # GGUF tensor name -> our parameter
     supports: frozenset[str]  # features the model class implements
-    fused_layer: bool = False  # its decoder layer is decoder_layer.cpp's layer
+    fused_layer: bool = False  # its decoder layer is one of decoder_layer.cpp's (its model class's FUSED_STYLE)
     always_qkv_bias: bool = False  # q/k/v biases whatever config.json says (Qwen2)
     always_qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     window_switch: str | None = None  # config.json key that turns sliding_window on (Qwen: use_sliding_window)
@@ -69,7 +69,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
     ArchSpec("qwen3", hf_architectures=("Qwen3ForCausalLM",), gguf_architectures=("qwen3",),
              always_qk_norm=True, window_switch="use_sliding_window", **_LLAMA_FAMILY),
     ArchSpec("gemma3", model_class="pagedllm.model.gemma3:Gemma3ForCausalLM", hf_architectures=("Gemma3ForCausalLM",),
-             gguf_architectures=("gemma3",), hf_names=_GEMMA3_HF, gguf_names=_GEMMA3_GGUF,
+             gguf_architectures=("gemma3",), hf_names=_GEMMA3_HF, gguf_names=_GEMMA3_GGUF, fused_layer=True,
              supports=frozenset({QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}), always_qk_norm=True,
              gguf_norm_shift=1.0, sliding_window_pattern=6, gguf_rope_local_theta=10000.0),
 )}

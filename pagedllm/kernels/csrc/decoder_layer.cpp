@@ -1,6 +1,7 @@
-// A model's Llama decoder layers in one call (DecoderStack.forward), for bf16 models and fp32 models with quantized
+// A model's decoder layers in one call (DecoderStack.forward), for bf16 models and fp32 models with quantized
 // weights on the C++ attention backend (the element type T is Bf16 or float; pointwise stages round as torch does
-// in that type).
+// in that type). Two layer styles (Style below): Llama's, and Gemma 3's (norms scale by 1 + w in fp32, a norm after
+// attention and after the MLP too, a GeGLU MLP).
 //
 // Layer by layer in Python a bf16 layer is ~50 torch ops: for a decode token of a small model their dispatch
 // costs as much as streaming the weights (`pagedllm bench compile` compares the two), and for prefill and large
@@ -28,6 +29,9 @@
 
 
 namespace {
+
+// kLlama: norms y = w * T(x / rms(x)), SwiGLU; kGemma: norms y = T(x / rms(x) * (1 + w)), GeGLU (gelu tanh).
+enum Style : int64_t { kLlama = 0, kGemma = 1 };
 
 #if PL_AVX512
 using Bf16 = uint16_t;
@@ -73,6 +77,28 @@ void rms_norm(const T* x, const T* w, T* y, int64_t n, float eps) {
   }
 }
 
+// Gemma's RMSNorm: y = T(x * rsqrt(mean(x^2) + eps) * (1 + w)), all in fp32 and rounded once, as transformers'
+// Gemma3RMSNorm computes it. y may alias x.
+template <typename T>
+void rms_norm_plus_one(const T* x, const T* w, T* y, int64_t n, float eps) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load(x + i, tail_mask(n - i));
+    sum = _mm512_fmadd_ps(v, v, sum);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store(y + i, _mm512_mul_ps(_mm512_mul_ps(load(x + i, m), r), _mm512_add_ps(one, load(w + i, m))), m);
+  }
+}
+
+template <typename T>
+void rms_norm(Style style, const T* x, const T* w, T* y, int64_t n, float eps) {
+  style == kGemma ? rms_norm_plus_one(x, w, y, n, eps) : rms_norm(x, w, y, n, eps);
+}
+
 // x * cos + rotate_half(x) * sin over one head of d elements, in place; each product and the sum rounded.
 template <typename T>
 void rope(T* x, const T* cos, const T* sin, int64_t d) {
@@ -108,6 +134,21 @@ void silu_mul(const T* g, const T* u, T* out, int64_t n) {
     const __m512 gv = load(g + i, m);
     const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, pagedllm::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     store(out + i, _mm512_mul_ps(round_as(out, silu), load(u + i, m)), m);
+  }
+}
+
+// out[i] = T(gelu_tanh(g[i])) * u[i], rounded: F.gelu(gate, approximate="tanh") * up on tensors of T. gelu_tanh
+// x = 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)), y = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation for x << 0.
+template <typename T>
+void gelu_tanh_mul(const T* g, const T* u, T* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), minus_2beta = _mm512_set1_ps(-2.f * 0.7978845608028654f);
+  const __m512 kappa = _mm512_set1_ps(0.044715f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 x = load(g + i, m);
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, x), _mm512_mul_ps(x, x), x);  // x + kappa x^3
+    const __m512 gelu = _mm512_div_ps(x, _mm512_add_ps(one, pagedllm::exp_ps(_mm512_mul_ps(minus_2beta, inner))));
+    store(out + i, _mm512_mul_ps(round_as(out, gelu), load(u + i, m)), m);
   }
 }
 
@@ -213,24 +254,29 @@ bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : 
 // forward): a step calls DecoderStack.forward once for all layers with only activations, caches and metadata.
 // Passing each layer's arguments through the dispatcher, after the layer before had streamed its weights through
 // the caches, cost a large share of a small model's decode step (BENCHMARKS.md, issue 29).
+// post_norm is the norm before the MLP; attn_out_norm and mlp_out_norm (Gemma) normalise the attention's and the
+// MLP's outputs before their residual adds. window: the layer's sliding window in keys (0: none).
 struct LayerWeights {
   at::Tensor input_norm, post_norm;
   LinearWeight qkv, o, gate_up, down;
-  std::optional<at::Tensor> qkv_b, o_b, q_norm, k_norm;
+  std::optional<at::Tensor> qkv_b, o_b, q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t window = 0;
 };
 
 struct DecoderStack : torch::CustomClassHolder {
   int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
   double eps, scale;
   at::Tensor final_norm;  // the model's norm after the last layer
+  Style style;
   std::vector<LayerWeights> layers;
 
   DecoderStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
-               double eps, double scale, at::Tensor final_norm)
+               double eps, double scale, at::Tensor final_norm, int64_t style)
       : hidden(hidden), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), inter(inter),
-        eps(eps), scale(scale), final_norm(final_norm) {
+        eps(eps), scale(scale), final_norm(final_norm), style(static_cast<Style>(style)) {
     TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && inter > 0 &&
                     num_heads % num_kv_heads == 0, "DecoderStack: bad shape");
+    TORCH_CHECK(style == kLlama || style == kGemma, "DecoderStack: unknown layer style ", style);
     TORCH_CHECK(has_layer(final_norm.scalar_type()), "DecoderStack: this build has no layer for ",
                 final_norm.scalar_type());
     check_weight(final_norm, hidden, 0, final_norm.scalar_type(), "final_norm");
@@ -241,11 +287,20 @@ struct DecoderStack : torch::CustomClassHolder {
                  std::optional<at::Tensor> qkv_b, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                  std::vector<at::Tensor> o_segs, std::vector<int64_t> o_types, std::optional<at::Tensor> o_b,
                  at::Tensor post_norm, std::vector<at::Tensor> gate_up_segs, std::vector<int64_t> gate_up_types,
-                 std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types) {
+                 std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types, int64_t window,
+                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm) {
     const at::ScalarType dt = final_norm.scalar_type();  // every weight is of the stack's dtype
     const int64_t H = hidden, d = head_dim, q_size = num_heads * d, qkv_size = q_size + 2 * num_kv_heads * d;
     LayerWeights w{input_norm, post_norm, {qkv_segs, qkv_types}, {o_segs, o_types}, {gate_up_segs, gate_up_types},
-                   {down_segs, down_types}, qkv_b, o_b, q_norm, k_norm};
+                   {down_segs, down_types}, qkv_b, o_b, q_norm, k_norm, attn_out_norm, mlp_out_norm, window};
+    TORCH_CHECK(window >= 0, "DecoderStack: window must be >= 0 (0: none), got ", window);
+    TORCH_CHECK(w.attn_out_norm.has_value() == w.mlp_out_norm.has_value() &&
+                    w.attn_out_norm.has_value() == (style == kGemma),
+                "DecoderStack: the output norms go together, in Gemma's layer only");
+    if (w.attn_out_norm) {
+      check_weight(*w.attn_out_norm, H, 0, dt, "attn_out_norm");
+      check_weight(*w.mlp_out_norm, H, 0, dt, "mlp_out_norm");
+    }
     check_weight(w.input_norm, H, 0, dt, "input_norm");
     check_weight(w.post_norm, H, 0, dt, "post_norm");
     check_linear(w.qkv, qkv_size, H, dt, "qkv");
@@ -285,14 +340,15 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
   const int64_t M = h.size(0), H = s.hidden, hkv = s.num_kv_heads, d = s.head_dim, num_heads = s.num_heads;
   const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size, inter = s.inter;
   const float epsf = static_cast<float>(s.eps);
+  const auto norm = [&](const T* x, const at::Tensor& weight, T* y, int64_t n) {
+    rms_norm(s.style, x, data<T>(weight), y, n, epsf);
+  };
   T* hp = data<T>(h);
-  const T* qn = w.q_norm ? data<T>(*w.q_norm) : nullptr;
-  const T* kn = w.k_norm ? data<T>(*w.k_norm) : nullptr;
   T *xp = data<T>(buf.x), *qkvp = data<T>(buf.qkv), *projp = data<T>(buf.proj), *gup = data<T>(buf.gate_up),
     *actp = data<T>(buf.act);
 
   // Attention block: norm, QKV, (bias, q/k norm,) RoPE on q and k, K/V into the cache, attention, O.
-  for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data<T>(w.input_norm), xp + m * H, H, epsf); });
+  for_rows(M, [&](int64_t m) { norm(hp + m * H, w.input_norm, xp + m * H, H); });
   linear<T>(buf.x, w.qkv, w.qkv_b, buf.qkv, invariant);
   T* kc = data<T>(k_cache);
   T* vc = data<T>(v_cache);
@@ -300,7 +356,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
     T* row = qkvp + m * qkv_size;
     for (int64_t head = 0; head < num_heads + hkv; ++head) {  // q heads, then k heads: contiguous in the row
       T* x_head = row + head * d;
-      if (qn) rms_norm(x_head, head < num_heads ? qn : kn, x_head, d, epsf);
+      if (w.q_norm) norm(x_head, head < num_heads ? *w.q_norm : *w.k_norm, x_head, d);
       rope(x_head, data<T>(cos) + m * d, data<T>(sin) + m * d, d);
     }
     std::memcpy(kc + slots[m] * kv_size, row + q_size, kv_size * sizeof(T));
@@ -308,18 +364,25 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
   });
   const at::Tensor q = buf.qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
   pagedllm::paged_attention(buf.attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s.scale,
-                            /*portable=*/false, invariant, 0, 0);
+                            /*portable=*/false, invariant, 0, w.window);
   linear<T>(buf.attn.view({M, q_size}), w.o, w.o_b, buf.proj, invariant);
-  for_rows(M, [&](int64_t m) {  // h += o; then the MLP's norm of the new h
+  for_rows(M, [&](int64_t m) {  // h += (the norm of) o; then the MLP's norm of the new h
+    if (w.attn_out_norm) norm(projp + m * H, *w.attn_out_norm, projp + m * H, H);
     add_into(hp + m * H, projp + m * H, H);
-    rms_norm(hp + m * H, data<T>(w.post_norm), xp + m * H, H, epsf);
+    norm(hp + m * H, w.post_norm, xp + m * H, H);
   });
 
-  // MLP block: down(silu(gate) * up), gate and up fused in one weight.
+  // MLP block: down(act(gate) * up), gate and up fused in one weight.
   linear<T>(buf.x, w.gate_up, std::nullopt, buf.gate_up, invariant);
-  for_rows(M, [&](int64_t m) { silu_mul(gup + m * 2 * inter, gup + m * 2 * inter + inter, actp + m * inter, inter); });
+  for_rows(M, [&](int64_t m) {
+    const T *g = gup + m * 2 * inter, *u = g + inter;
+    s.style == kGemma ? gelu_tanh_mul(g, u, actp + m * inter, inter) : silu_mul(g, u, actp + m * inter, inter);
+  });
   linear<T>(buf.act, w.down, std::nullopt, buf.proj, invariant);
-  for_rows(M, [&](int64_t m) { add_into(hp + m * H, projp + m * H, H); });
+  for_rows(M, [&](int64_t m) {
+    if (w.mlp_out_norm) norm(projp + m * H, *w.mlp_out_norm, projp + m * H, H);
+    add_into(hp + m * H, projp + m * H, H);
+  });
 }
 #endif
 
@@ -377,7 +440,7 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
     if (count > 0 && first + count == s.size()) {  // the model's final norm, in place
       T* hp = data<T>(h);
       const int64_t H = s.hidden;
-      for_rows(M, [&](int64_t m) { rms_norm(hp + m * H, data<T>(s.final_norm), hp + m * H, H, float(s.eps)); });
+      for_rows(M, [&](int64_t m) { rms_norm(s.style, hp + m * H, data<T>(s.final_norm), hp + m * H, H, float(s.eps)); });
     }
   };
   if (dt == at::kFloat) return run(float{});
@@ -391,7 +454,7 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("__len__", &DecoderStack::size)
       .def("forward", &stack_forward);  // a method, not an op: an op taking the class checks every argument in Python
