@@ -96,6 +96,7 @@ CASES = [
     (32, 12, 3, 128, [0, 63, 31], [100, 1, 2]),
     (16, 6, 2, 32, [3, 0, 700], [1, 130, 1]),
     (8, 6, 3, 40, [0, 21], [19, 4]),  # head_dim 40: portable code path
+    (16, 4, 1, 256, [0, 600, 31, 2], [40, 1, 1, 17]),  # Gemma 3's head_dim 256, its 4 query heads on one KV head
     # bf16 decode takes all KV heads of a request in one item when tokens x Hq <= 64 (here 1 and 2 tokens), per
     # KV head beyond (3 tokens)
     (16, 32, 8, 128, [500, 37, 0, 90, 3], [1, 2, 3, 1, 2]),
@@ -273,7 +274,7 @@ def test_random_mixed_batches(seed):
     block_size = [8, 16, 32][randint(0, 2)]
     hkv = randint(1, 4)
     hq = hkv * [1, 2, 3, 4, 8][randint(0, 4)]
-    d = [32, 64, 128][randint(0, 2)]
+    d = [32, 64, 128, 256][randint(0, 3)]
     r = randint(1, 10)
     kind = torch.randint(0, 3, (r,), generator=gen).tolist()  # 0 decode, 1 prefill, 2 chunk over a cached prefix
     computed = [randint(1, 300) if k != 1 else 0 for k in kind]

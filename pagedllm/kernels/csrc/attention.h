@@ -23,7 +23,7 @@
 // The bf16 paths multiply V by the softmax probabilities split into a high and a low bf16 part (split_bf16_pairs);
 // sums stay fp32.
 // They need AVX-512 (compiled with -mavx512* when the CPU has it, see kernels/build.py); the portable path is plain
-// C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128, or on request. With
+// C++ and is used when the build lacks AVX-512, for head dims other than 32/64/128/256, or on request. With
 // AVX512-BF16 the bf16 outputs are rounded by vcvtne2ps2bf16/vcvtneps2bf16.
 //
 // Scores are computed in base 2: q is pre-multiplied by scale * log2(e) (the bf16 paths multiply the fp32 sum
@@ -56,7 +56,7 @@ constexpr int kMaxRows = 64;   // query rows (tokens x group heads) per tile
 // lanes of a vector. Fewer rows take a "dot" path.
 constexpr int64_t kLanesMinRows = 16;
 // Head dims with vector paths, as a mask of powers of two (the others take the portable path).
-constexpr int64_t kVectorHeadDims = 32 | 64 | 128;
+constexpr int64_t kVectorHeadDims = 32 | 64 | 128 | 256;
 constexpr bool vector_head_dim(int64_t d) { return d > 0 && (d & (d - 1)) == 0 && (d & kVectorHeadDims); }
 
 struct Problem {
@@ -154,7 +154,7 @@ void merge(const Problem& p, const Item* slices, int64_t nslices, const float* p
 // The paths: each computes one work item (a tile of query rows over a slice of the context).
 using AttendFn = void (*)(const Problem&, const Item&, Scratch&, float*);
 void attend_portable(const Problem& p, const Item& it, Scratch& s, float* partials);
-// ND = head dim / 16, instantiated for head dims 32, 64 and 128.
+// ND = head dim / 16, instantiated for head dims 32, 64, 128 and 256 (Gemma 3).
 template <int ND> void attend_dot(const Problem& p, const Item& it, Scratch& s, float* partials);
 constexpr int64_t kDotInt8MaxHeads = 8;  // KV heads one item of the int8 dot path may take (paged_attention.cpp)
 template <int ND> void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partials);
@@ -165,6 +165,7 @@ template <int ND> void attend_lanes_bf16(const Problem& p, const Item& it, Scrat
 #define PA_INSTANTIATE(path)                                                    \
   template void path<2>(const Problem&, const Item&, Scratch&, float*);        \
   template void path<4>(const Problem&, const Item&, Scratch&, float*);        \
-  template void path<8>(const Problem&, const Item&, Scratch&, float*);
+  template void path<8>(const Problem&, const Item&, Scratch&, float*);        \
+  template void path<16>(const Problem&, const Item&, Scratch&, float*);
 
 }  // namespace pagedllm::attn

@@ -143,7 +143,7 @@ struct Int8Chunk {
   template <int G>
   void rows(int64_t i0, int64_t hh, int64_t c, int64_t nk, const int32_t* pos, float* m, float* l) {
     // q . k: per row and q block, NC integer chains (added exactly), scaled, the blocks added in a fixed order
-    constexpr int NC = 4 / NB;  // chains per block: 4 chains per row in all (2 for head dim 128)
+    constexpr int NC = NB >= 4 ? 1 : 4 / NB;  // chains per block: 4 chains per row in all (NB beyond 4)
     __m512i acc[G][NB * NC];
     for (int g = 0; g < G; ++g)
       for (int b = 0; b < NB; ++b)
@@ -169,9 +169,9 @@ struct Int8Chunk {
         for (int k = 1; k < NC; ++k) sum = _mm512_add_epi32(sum, acc[g][b * NC + k]);
         f[b] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(block_scale[i][b]));
       }
-      __m512 sv = f[0];
-      if constexpr (NB == 2) sv = _mm512_add_ps(f[0], f[1]);
-      if constexpr (NB == 4) sv = _mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3]));
+      for (int w = 1; w < NB; w *= 2)  // the blocks added pairwise, in a fixed tree: ((f0 + f1) + (f2 + f3)) + ...
+        for (int b = 0; b + w < NB; b += 2 * w) f[b] = _mm512_add_ps(f[b], f[b + w]);
+      const __m512 sv = f[0];
       const int64_t nv = std::clamp<int64_t>(pos[i] - c + 1, 0, nk);  // causal: keys up to the row's position
       if (nv == 0) {  // nothing visible in this chunk: the row's state stays as it is (x 1 + 0 below)
         pr[g] = _mm512_setzero_ps();
@@ -236,7 +236,8 @@ struct Int8Chunk {
 
 template <int ND>
 void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partials) {
-  constexpr int kGroup = ND >= 8 ? 2 : 4;  // rows computed together: their p . V accumulators fill the registers
+  constexpr int kGroup = ND >= 16 ? 1 : ND >= 8 ? 2 : 4;  // rows computed together: their p . V accumulators fill
+                                                         // the registers
   const int64_t rows = item_rows(p, it);
   start_tile(p, it, s, rows);
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;

@@ -1,5 +1,5 @@
 // Portable path: plain loops, one row at a time over chunks of keys (no AVX-512 in the build, head dims other
-// than 32/64/128, or asked for).
+// than 32/64/128/256, or asked for).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

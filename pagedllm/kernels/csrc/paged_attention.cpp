@@ -63,6 +63,7 @@ AttendFn pick(int64_t d, KernelMode mode) {
     if (d == 32) return attend_fast<2>;
     if (d == 64) return attend_fast<4>;
     if (d == 128) return attend_fast<8>;
+    if (d == 256) return attend_fast<16>;
   }
 #endif
   (void)d;
