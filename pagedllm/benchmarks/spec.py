@@ -112,10 +112,16 @@ def measure(args: argparse.Namespace) -> dict:
     fast = LLM(**common.llm_kwargs(args, speculative_config=spec))
     for llm in (plain, fast):
         common.warm_up(llm)
-    chat = plain.engine.apply_chat_template
-    workloads = {"grounded": [chat([{"role": "user", "content": GROUNDED[0]}])],
-                 "open": [chat([{"role": "user", "content": OPEN[0]}])],
-                 "batch": [chat([{"role": "user", "content": (GROUNDED + OPEN)[i % 4]}]) for i in range(batch)]}
+    def prompt(text: str) -> str:
+        """The user turn through the chat template. A base model (no template, e.g. Gemma 3 270M) continues the
+        text instead; a grounded request ends with the opening of its answer (a code fence), which the model then
+        fills by copying from the prompt."""
+        if plain.engine.tokenizer.chat_template is None:
+            return text + ("\n\n```python\n" if text in GROUNDED else "\n\n")
+        return plain.engine.apply_chat_template([{"role": "user", "content": text}])
+
+    workloads = {"grounded": [prompt(GROUNDED[0])], "open": [prompt(OPEN[0])],
+                 "batch": [prompt((GROUNDED + OPEN)[i % 4]) for i in range(batch)]}
     params = SamplingParams(temperature=0.0, max_tokens=olen)
     rows = []
     for name, prompts in workloads.items():
