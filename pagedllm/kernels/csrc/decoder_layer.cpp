@@ -62,41 +62,29 @@ T* data(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
-// y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32, as transformers computes it. y may alias x.
+// rsqrt(mean(x^2) + eps) over n elements, in fp32, in every lane.
 template <typename T>
-void rms_norm(const T* x, const T* w, T* y, int64_t n, float eps) {
+__m512 inv_rms(const T* x, int64_t n, float eps) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 v = load(x + i, tail_mask(n - i));
     sum = _mm512_fmadd_ps(v, v, sum);
   }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    store(y + i, _mm512_mul_ps(load(w + i, m), round_as(y, _mm512_mul_ps(load(x + i, m), r))), m);
-  }
+  return _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
 }
 
-// Gemma's RMSNorm: y = T(x * rsqrt(mean(x^2) + eps) * (1 + w)), all in fp32 and rounded once, as transformers'
-// Gemma3RMSNorm computes it. y may alias x.
-template <typename T>
-void rms_norm_plus_one(const T* x, const T* w, T* y, int64_t n, float eps) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = load(x + i, tail_mask(n - i));
-    sum = _mm512_fmadd_ps(v, v, sum);
-  }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    store(y + i, _mm512_mul_ps(_mm512_mul_ps(load(x + i, m), r), _mm512_add_ps(one, load(w + i, m))), m);
-  }
-}
-
+// Llama's RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32, as transformers computes it. Gemma's
+// (kGemma): y = T(x * rsqrt(mean(x^2) + eps) * (1 + w)), all in fp32 and rounded once, as Gemma3RMSNorm computes it.
+// y may alias x.
 template <typename T>
 void rms_norm(Style style, const T* x, const T* w, T* y, int64_t n, float eps) {
-  style == kGemma ? rms_norm_plus_one(x, w, y, n, eps) : rms_norm(x, w, y, n, eps);
+  const __m512 r = inv_rms(x, n, eps), one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 xr = _mm512_mul_ps(load(x + i, m), r);
+    store(y + i, style == kGemma ? _mm512_mul_ps(xr, _mm512_add_ps(one, load(w + i, m)))
+                                 : _mm512_mul_ps(load(w + i, m), round_as(y, xr)), m);
+  }
 }
 
 // x * cos + rotate_half(x) * sin over one head of d elements, in place; each product and the sum rounded.
