@@ -28,6 +28,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -519,9 +522,21 @@ void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base
 
 namespace {
 
+constexpr int64_t kPackSliceBytes = 16 << 20;  // source bytes packed between two page drops
+
+// MADV_DONTNEED over the whole pages of [p, p + n): pages of a file mapping leave the process (they stay in the page
+// cache, and a later read maps them again). Never for anonymous memory, which it would zero.
+void drop_file_pages(const uint8_t* p, int64_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE)), at = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t first = (at + page - 1) / page * page, end = (at + n) / page * page;
+  if (end > first) madvise(reinterpret_cast<void*>(first), end - first, MADV_DONTNEED);
+}
+
 // parts: uint8 [N_i, file row bytes] matrices of ggml type `qtype` -> their packed forms stacked in one matrix,
 // uint8 [sum N_i, packed row bytes] (fused q|k|v, gate|up are packed straight into one buffer).
-at::Tensor quant_pack(const std::vector<at::Tensor>& parts, int64_t qtype, int64_t K) {
+// parts_are_file_pages: the parts are views of a read-only file mapping; their pages are dropped as the packing
+// passes them, so that a large matrix (a 150k-row head) is not resident twice at the peak of a load.
+at::Tensor quant_pack(const std::vector<at::Tensor>& parts, int64_t qtype, int64_t K, bool parts_are_file_pages) {
   using namespace pagedllm;
   const int64_t src_row = quant_row_bytes(qtype, K), dst_row = packed_row_bytes(qtype, K);
   int64_t rows = 0;
@@ -534,9 +549,17 @@ at::Tensor quant_pack(const std::vector<at::Tensor>& parts, int64_t qtype, int64
   TORCH_CHECK(!parts.empty(), "quant_pack: no matrices");
   at::Tensor out = empty_huge_paged(rows, dst_row);  // streamed whole every decode step
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t slice = std::max<int64_t>(1, kPackSliceBytes / src_row / kGroupRows) * kGroupRows;
   for (const at::Tensor& w : parts) {
     const int64_t N = w.size(0);
-    visit_type(qtype, [&](auto tag) { pack_groups<typename decltype(tag)::traits>(w.data_ptr<uint8_t>(), dst, N, K); });
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    for (int64_t r0 = 0; r0 < N; r0 += slice) {
+      const int64_t n = std::min(slice, N - r0);
+      visit_type(qtype, [&](auto tag) {
+        pack_groups<typename decltype(tag)::traits>(src + r0 * src_row, dst + r0 * dst_row, n, K);
+      });
+      if (parts_are_file_pages) drop_file_pages(src + r0 * src_row, n * src_row);
+    }
     dst += N * dst_row;
   }
   return out;
