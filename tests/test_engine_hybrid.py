@@ -202,3 +202,28 @@ def test_speculative_decoding_rolls_back_every_group(arch_dir):
     assert tokens(llm.generate(prompts, LONG, use_tqdm=False)) == reference
     assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
     assert_no_leaks(llm)
+
+
+def test_fused_layers_batched_chunked_and_cached_equal_alone(arch_dir):
+    """bf16 on the C++ kernel: the layers run fused (Gemma's layer style, each layer's window, one stack call per
+    run of layers sharing a KV group), in the default batch-invariant mode. Every request's greedy tokens are
+    those it gets alone, batched with the others, its prompt chunked across the window edge, and again from the
+    prefix cache."""
+    from pagedllm.kernels import dispatch
+    from pagedllm.model.fused_layer import fuses_layers
+
+    if dispatch.kernel_class("DecoderStack") is None or not dispatch.has(dispatch.AVX512_BF16):
+        pytest.skip("no bf16 fused layer on this build")
+    _, path = arch_dir
+    kw = {"dtype": "bfloat16", "attention_backend": "cpu"}
+    prompts = prompts_of(6, seed=13, lo=10, hi=60)
+    alone = [tokens(make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=256, **kw).generate(
+        [p], LONG, use_tqdm=False))[0] for p in prompts]
+    llm = make_llm(path, **kw)  # prompts chunked by 24 tokens
+    runner = llm.engine.runner
+    h = torch.empty(1, runner.model.config.hidden_size, dtype=torch.bfloat16)
+    assert fuses_layers(runner.model, h, runner.kv_caches)
+    assert tokens(llm.generate(prompts, LONG, use_tqdm=False)) == alone
+    assert tokens(llm.generate(prompts[::-1], LONG, use_tqdm=False))[::-1] == alone
+    assert llm.kv_cache_stats()["prefix_cache_hits"] > 0
+    assert_no_leaks(llm)
