@@ -70,6 +70,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(CausalLM):
     FUSED_STYLE = 1  # decoder_layer.cpp's Style: kGemma
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", linear_method: LinearMethod | None = None):
         super().__init__(cfg, dtype, attention_backend, linear_method, norm=GemmaRMSNorm)

@@ -49,6 +49,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     FUSED_STYLE = 0  # decoder_layer.cpp's Style: kLlama
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", linear_method: LinearMethod | None = None):
         super().__init__(cfg, dtype, attention_backend, linear_method)

@@ -158,9 +158,9 @@ class Tokenizer:
 
 
 def _release_free_heap() -> None:
-    """Give the heap that parsing freed back to the OS. Parsing a large tokenizer.json frees most of what it
-    allocates (Gemma 3's 262k tokens and 515k merges: ~330 MB, of which ~60 MB stay in use), and glibc keeps
-    the freed heap mapped, in the process's RSS for good. A no-op where the C library has no malloc_trim."""
+    """Give the heap that parsing freed back to the OS. Parsing a large tokenizer.json (Gemma 3's: 262k tokens,
+    515k merges) frees most of what it allocates, and glibc keeps the freed heap mapped, in the process's RSS for
+    good (BENCHMARKS.md, issue 29). A no-op where the C library has no malloc_trim."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -156,8 +156,7 @@ def pack_stacked(parts: list[QuantTensor]) -> QuantTensor:
     if any(p.qtype != first.qtype or p.cols != first.cols or not p.packable for p in parts):
         raise ValueError("pack_stacked: the matrices must be packable, of one type and width")
     mapped = all(p.release_source is not None for p in parts)  # views of the mapped file: dropped as packed
-    data = required_op("quant_pack")([p.data for p in parts] if mapped else [p.data.contiguous() for p in parts],
-                                     first.qtype, first.cols, mapped)
+    data = required_op("quant_pack")([p.data.contiguous() for p in parts], first.qtype, first.cols, mapped)
     for p in parts:
         if p.release_source is not None:
             p.release_source()
