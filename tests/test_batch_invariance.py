@@ -140,14 +140,15 @@ def _attend(q_rows, tables, lens, new, k_cache, v_cache):
 @pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_row_alone_equals_row_in_batch(path, threads):
-    """One request (decode, a prefill of 40 tokens, a long context split into slices) alone and among 1..299
-    others of random lengths and query counts."""
+    """One request (decode, a verification of 4 drafts, a prefill of 40 tokens, a long context split into slices)
+    alone and among 1..299 others of random lengths and query counts (alone, a request's few query tokens are cut
+    into one tile per thread)."""
     gen = torch.Generator().manual_seed(threads)
     rnd = random.Random(threads)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for target_len, target_new in [(300, 1), (900, 1), (1500, 40), (37, 37)]:
+        for target_len, target_new in [(300, 1), (300, 5), (900, 1), (1500, 40), (37, 37)]:
             for m in [1, *BATCH_SIZES]:
                 lens = [target_len] + [rnd.randrange(1, 300) for _ in range(m - 1)]
                 new = [target_new] + [rnd.choice([1, 1, 1, min(n, rnd.randrange(1, 50))]) for n in lens[1:]]

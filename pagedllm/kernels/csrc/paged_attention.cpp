@@ -161,10 +161,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     // A sliding window that binds: one token per tile, so that every row of an item has the same window and the
     // item's key range [k0, k1) is exactly that window (no path needs a per-row lower mask, and keys before it,
     // whose blocks may have been freed, are never read).
+    // Otherwise the tokens are cut into equal tiles (17 tokens: 9 + 8, not 16 + 1), and a lone request's few tokens
+    // (a verification of drafts) into at least one tile per thread, so that no thread waits for the other.
     const bool slide = window > 0 && len > window;
-    const int32_t tile = slide ? 1 : static_cast<int32_t>(tile_tokens);
-    for (int32_t t0 = 0; t0 < n; t0 += tile) {
-      const int32_t t1 = std::min<int32_t>(n, t0 + tile);
+    const int64_t tiles = slide ? n : std::max<int64_t>((n + tile_tokens - 1) / tile_tokens,
+                                                        std::min<int64_t>(n, at::get_num_threads() / num_reqs));
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int32_t t0 = static_cast<int32_t>(n * i / tiles), t1 = static_cast<int32_t>(n * (i + 1) / tiles);
       const int32_t k0 = slide ? std::max<int32_t>(0, len - n + t0 - static_cast<int32_t>(window) + 1) : 0;
       if (one_item_per_token_row(p, mode, t1 - t0)) {
         items.push_back({static_cast<int32_t>(r), 0, t0, t1, k0, len - n + t1, -1, static_cast<int32_t>(p.hkv)});
