@@ -197,7 +197,7 @@ class _AskedK:
         pass
 
 
-def test_adaptive_k_doubles_on_full_acceptance_keeps_on_partial_halves_and_pauses_on_none():
+def test_adaptive_k_doubles_on_full_acceptance_keeps_on_partial_halves_on_second_none_and_pauses():
     proposer = _AskedK()
     spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, disable_by_batch_size=2), proposer)
     req = Request("r", [1, 2, 3])
@@ -213,12 +213,13 @@ def test_adaptive_k_doubles_on_full_acceptance_keeps_on_partial_halves_and_pause
         spec.observe(req, k, k if accepted is None else min(accepted, k))
         return k
 
-    # full (at the cap), partial: the same k; none: halve; full again: double
-    assert [step(a) for a in (None, 1, 2, 0, None, 0, 0, 0)] == [4, 4, 4, 4, 2, 4, 2, 1]
+    # full (at the cap), partial: the same k; none: halve; full again: double; none right after a full draft: the
+    # same k, none again: halve
+    assert [step(a) for a in (None, 1, 2, 0, None, 0, 0, 0, 0)] == [4, 4, 4, 4, 2, 4, 4, 2, 1]
     assert [step(0) for _ in range(4)] == [None, 1, None, None]  # a rejected one-token draft: pause 1, then 2
     assert step(None) == 1 and step(None) == 2 and step(None) == 4  # accepted again: grow back, doubling
     spec.propose([req, Request("a", [1]), Request("b", [1])], room=lambda r: 100)  # 3 running > 2: nobody drafts
-    assert len(proposer.asked) == 12
+    assert len(proposer.asked) == 13
     req.num_computed_tokens = 0  # prefilling: no draft
     assert step(None) is None
 

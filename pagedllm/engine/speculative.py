@@ -8,7 +8,7 @@ own distribution is exact rejection sampling: the output follows the same distri
 A seeded sample draws the uniform of position i as a function of (seed, i) (worker/sampler.seeded_uniform), so it
 gives the same tokens with or without speculation, not only the same distribution.
 
-Adaptive, per request: k doubles while whole drafts are accepted and halves when they fail; a request whose drafts
+Adaptive, per request: k doubles while whole drafts are accepted and halves when they fail twice in a row; a request whose drafts
 keep failing pauses speculation for a growing number of steps. Nobody speculates while more than
 `disable_by_batch_size` requests run (a large batch's step is compute-bound: extra tokens are no longer free).
 """
@@ -105,6 +105,7 @@ class _Pace:
     k: int  # draft length to ask for next
     backoff: int = 0  # steps to wait after a fully rejected draft of length 1
     wait: int = 0  # steps left to wait
+    last_full: bool = False  # the last draft was accepted whole
 
 
 class Speculator:
@@ -142,16 +143,20 @@ class Speculator:
         """Adapt the request's k to how its last draft fared: all accepted, twice as many next time (copied runs
         are long, and one more a step took ten steps to win back the k that one rejected draft had halved); some,
         the same k (below disable_by_batch_size a verification costs little more than a decode step: the weights
-        are read once for all its rows, so a longer draft that is partly wrong still pays); none, half; a
-        one-token draft rejected, a pause that doubles each time it happens again."""
+        are read once for all its rows, so a longer draft that is partly wrong still pays); none, half, unless the
+        draft before was accepted whole (where a copy diverges for a token, such as a renamed name, and the next
+        draft copies again); a one-token draft rejected, a pause that doubles each time it happens again."""
         pace = self._pace.get(request.request_id)
         if pace is None or not self.config.adaptive:
             return
+        after_full, pace.last_full = pace.last_full, num_accepted == num_draft
         if num_accepted == num_draft:
             pace.k = min(self.config.num_speculative_tokens, 2 * pace.k)
             pace.backoff = 0
         elif num_accepted:
             pace.backoff = 0
+        elif after_full:
+            pass
         elif pace.k > 1:
             pace.k //= 2
         else:  # even one-token drafts fail: pause, longer each time
