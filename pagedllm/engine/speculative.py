@@ -8,8 +8,8 @@ own distribution is exact rejection sampling: the output follows the same distri
 A seeded sample draws the uniform of position i as a function of (seed, i) (worker/sampler.seeded_uniform), so it
 gives the same tokens with or without speculation, not only the same distribution.
 
-Adaptive, per request: k doubles while whole drafts are accepted and halves when they fail twice in a row; a request whose drafts
-keep failing pauses speculation for a growing number of steps. Nobody speculates while more than
+Adaptive, per request: k doubles while whole drafts are accepted and halves when they fail twice in a row; a
+request whose drafts keep failing pauses speculation for a growing number of steps. Nobody speculates while more than
 `disable_by_batch_size` requests run (a large batch's step is compute-bound: extra tokens are no longer free).
 """
 
