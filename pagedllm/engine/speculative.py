@@ -153,10 +153,8 @@ class Speculator:
         if num_accepted == num_draft:
             pace.k = min(self.config.num_speculative_tokens, 2 * pace.k)
             pace.backoff = 0
-        elif num_accepted:
+        elif num_accepted or after_full:  # the same k
             pace.backoff = 0
-        elif after_full:
-            pass
         elif pace.k > 1:
             pace.k //= 2
         else:  # even one-token drafts fail: pause, longer each time

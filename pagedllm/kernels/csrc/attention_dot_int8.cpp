@@ -236,8 +236,8 @@ struct Int8Chunk {
 
 template <int ND>
 void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partials) {
-  constexpr int kGroup = ND >= 16 ? 1 : ND >= 8 ? 2 : 4;  // rows computed together: their p . V accumulators fill
-                                                         // the registers
+  // rows computed together: their p . V accumulators fill the registers
+  constexpr int kGroup = ND >= 16 ? 1 : ND >= 8 ? 2 : 4;
   const int64_t rows = item_rows(p, it);
   start_tile(p, it, s, rows);
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
