@@ -180,6 +180,36 @@ def test_gguf_tokenizer_is_cached_and_reloads_without_transformers(tmp_path, mon
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path)}).stdout.strip()
     assert out == f"{first.encode('hello world')} False"
+    with open(os.path.join(first.directory, "tokenizer.json"), encoding="utf-8") as f:
+        merges = json.load(f)["model"]["merges"]
+    assert merges and all(isinstance(m, str) and len(m.split(" ")) == 2 for m in merges)  # the compact form
+
+
+@pytest.mark.parametrize("with_space", [False, True])
+def test_compacted_tokenizer_json_is_the_same_tokenizer(tmp_path, with_space):
+    """Merges become "a b" strings only where no merged token holds a space (that form cannot say it); either way
+    the compacted file encodes and decodes every text as the original does."""
+    from tokenizers import Tokenizer as Rust
+    from tokenizers import models
+
+    from pagedllm.model.tokenizer import _compact_tokenizer_json
+
+    space = " " if with_space else "_"
+    vocab = {t: i for i, t in enumerate(["a", "b", "c", space, "ab", f"a{space}", f"a{space}b", "abc", "ü", "üa"])}
+    merges = [("a", "b"), ("a", space), (f"a{space}", "b"), ("ab", "c"), ("ü", "a")]
+    path = str(tmp_path / "tokenizer.json")
+    Rust(models.BPE(vocab, merges)).save(path, pretty=True)
+    before = Rust.from_file(path)
+    _compact_tokenizer_json(path)
+    with open(path, encoding="utf-8") as f:
+        stored = json.load(f)["model"]["merges"]
+    assert all(isinstance(m, list) for m in stored) if with_space else stored == [f"{a} {b}" for a, b in merges]
+    after = Rust.from_file(path)
+    rng = random.Random(7)
+    for _ in range(200):
+        text = "".join(rng.choice(["a", "b", "c", space, "ü"]) for _ in range(rng.randint(1, 20)))
+        ids = before.encode(text).ids
+        assert after.encode(text).ids == ids and after.decode(ids) == before.decode(ids), text
 
 
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog):

@@ -195,6 +195,7 @@ def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
         converted.save_pretrained(tmp)
+        _compact_tokenizer_json(os.path.join(tmp, "tokenizer.json"))
         try:
             os.rename(tmp, target)  # atomic: concurrent loaders never see a half-written cache
         except OSError:
@@ -203,16 +204,36 @@ def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
         logger.warning("could not cache the tokenizer under %s: %s", target, e)
         target = tempfile.mkdtemp(prefix="pagedllm-tokenizer-")
         converted.save_pretrained(target)
+        _compact_tokenizer_json(os.path.join(target, "tokenizer.json"))
     logger.info("built the tokenizer in %.1f s (cached for next time)", time.perf_counter() - t0)
     return Tokenizer(target)
 
 
 def _source_key(path: str) -> str:
-    """Identifies a GGUF file or a tokenizer directory's files by path, size and mtime."""
+    """Identifies a GGUF file or a tokenizer directory's files by path, size and mtime, and the cache's format."""
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, f) for f in os.listdir(path) if f.startswith(("tokenizer", "special_tokens", "vocab")))
     ident = "|".join(f"{os.path.realpath(f)}|{(st := os.stat(f)).st_size}|{st.st_mtime_ns}" for f in files)
-    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+    return hashlib.sha256(f"{_CACHE_FORMAT}|{ident}".encode()).hexdigest()[:32]
+
+
+_CACHE_FORMAT = 2  # 2: tokenizer.json compacted (_compact_tokenizer_json)
+
+
+def _compact_tokenizer_json(path: str) -> None:
+    """Rewrites a converted tokenizer.json in the form `tokenizers` parses fastest, which is most of a warm load of a
+    large vocabulary (Gemma 3: 262k tokens, 515k merges; BENCHMARKS.md): no indentation, UTF-8 as it is, and a BPE
+    model's merges as "a b" strings instead of pairs, where no merged token holds a space (that form splits on it).
+    The tokenizer it describes is the same."""
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    merges = model.get("merges")
+    if model.get("type") == "BPE" and merges and all(isinstance(m, list) and len(m) == 2 for m in merges) \
+            and not any(" " in a or " " in b for a, b in merges):
+        model["merges"] = [f"{a} {b}" for a, b in merges]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False, separators=(",", ":"))
 
 
 def _convert_with_transformers(path: str, gguf: Any) -> Any:
