@@ -177,9 +177,9 @@ def _clean_up_tokenization(text: str) -> str:
 # ---- loading -----------------------------------------------------------------------------------------------------
 def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
     """A model's tokenizer: a Hugging Face directory's tokenizer.json as it is. A GGUF file's vocabulary (or a
-    directory with only a SentencePiece model) is converted by transformers once, in seconds, and the result is
-    kept on disk keyed by the source's path, size and mtime, so later loads read it in ~0.25 s. `gguf`: the
-    file already parsed and validated (model/gguf_reader.py), if the caller has it."""
+    directory with only a SentencePiece model) is converted by transformers once, and the result is kept on disk,
+    compacted, keyed by the source's path, size and mtime, so later loads only parse it. `gguf`: the file already
+    parsed and validated (model/gguf_reader.py), if the caller has it."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         return Tokenizer(path)
     target = os.path.join(cache_dir(), "tokenizers", _source_key(path))
