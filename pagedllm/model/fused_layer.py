@@ -24,6 +24,13 @@ def can_fuse(cfg: ModelConfig, linears: Iterable[Linear]) -> bool:
             and all(lin.method.runs_fused_layer for lin in linears))
 
 
+def init_fused_layers(model) -> None:
+    """At the end of a model class's __init__, once its layers exist: `fused_layers`, the switch (on: the layers in
+    one C++ call where the kernels allow; tests turn it off), and `_fused_capable`, what can_fuse says of it."""
+    model.fused_layers = True
+    model._fused_capable = can_fuse(model.config, (m for m in model.modules() if isinstance(m, Linear)))
+
+
 def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
     """Whether this forward runs its layers as one DecoderStack call (else the model runs its torch layers):
     - bf16 (weights dense or quantized) where the build has avx512_bf16;

@@ -15,7 +15,7 @@ from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.attention.metadata import per_layer
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.fused_layer import can_fuse, fuses_layers, run_fused_layers
+from pagedllm.model.fused_layer import fuses_layers, init_fused_layers, run_fused_layers
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RotaryEmbedding, frozen_param
 from pagedllm.model.linear import Linear, LinearMethod
@@ -79,8 +79,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, None)
         # transformers multiplies by sqrt(hidden) rounded to the model's dtype
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
-        self.fused_layers = True  # the layers in one C++ call where the kernels allow (fused_layer.py decides)
-        self._fused_capable = can_fuse(cfg, (m for m in self.modules() if isinstance(m, Linear)))
+        init_fused_layers(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

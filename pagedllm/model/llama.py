@@ -13,7 +13,7 @@ from pagedllm.attention import AttentionBackend, AttentionMetadata
 from pagedllm.attention.metadata import per_layer
 from pagedllm.model.base import Attention, CausalLM
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.fused_layer import can_fuse, fuses_layers, run_fused_layers
+from pagedllm.model.fused_layer import fuses_layers, init_fused_layers, run_fused_layers
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model.linear import Linear, LinearMethod
@@ -56,9 +56,7 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, linear_method, cfg.layer_window(i))
                                     for i in range(cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.fused_layers = True  # the layers in one C++ call where the kernels allow
-        # ... and where the model's structure allows it (fused_layer.py decides, per forward)
-        self._fused_capable = can_fuse(cfg, (m for m in self.modules() if isinstance(m, Linear)))
+        init_fused_layers(self)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -194,8 +194,7 @@ def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
-        converted.save_pretrained(tmp)
-        _compact_tokenizer_json(os.path.join(tmp, "tokenizer.json"))
+        _save_converted(converted, tmp)
         try:
             os.rename(tmp, target)  # atomic: concurrent loaders never see a half-written cache
         except OSError:
@@ -203,8 +202,7 @@ def load_tokenizer(path: str, gguf: Any = None) -> Tokenizer:
     except OSError as e:
         logger.warning("could not cache the tokenizer under %s: %s", target, e)
         target = tempfile.mkdtemp(prefix="pagedllm-tokenizer-")
-        converted.save_pretrained(target)
-        _compact_tokenizer_json(os.path.join(target, "tokenizer.json"))
+        _save_converted(converted, target)
     logger.info("built the tokenizer in %.1f s (cached for next time)", time.perf_counter() - t0)
     return Tokenizer(target)
 
@@ -218,6 +216,11 @@ def _source_key(path: str) -> str:
 
 
 _CACHE_FORMAT = 2  # 2: tokenizer.json compacted (_compact_tokenizer_json)
+
+
+def _save_converted(converted: Any, directory: str) -> None:
+    converted.save_pretrained(directory)
+    _compact_tokenizer_json(os.path.join(directory, "tokenizer.json"))
 
 
 def _compact_tokenizer_json(path: str) -> None:
