@@ -185,6 +185,22 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   int64_t total = 0;
   for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * item_rows(p, it);
   const int64_t threads = std::clamp<int64_t>(total / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
+  // Too few slices of work to balance the threads (a lone decode token: one slice per 512 keys): an item of several
+  // KV heads becomes one item per head, so that the heads run on different threads. A row's arithmetic is the same
+  // either way (it reads its own head's keys only), so batch invariance holds.
+  int64_t slices = 0;
+  for (const Item& it : items)
+    slices += p.invariant ? (it.k1 - it.k0 + kInvariantSliceKeys - 1) / kInvariantSliceKeys : 1;
+  if (slices < kItemsPerThread * threads) {
+    std::vector<Item> per_head;
+    for (const Item& it : items)
+      for (int32_t h = 0; h < it.nh; ++h) {
+        Item one = it;
+        one.h = it.h + h, one.nh = 1;
+        per_head.push_back(one);
+      }
+    items = std::move(per_head);
+  }
   // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
   const int64_t want = min_items > 0 ? min_items : (threads > 1 ? kItemsPerThread * threads : 1);
   int64_t partial_floats = 0;
@@ -229,17 +245,19 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   // torch's own OpenMP team (at::parallel_for, no num_threads clause: a second team would spin against torch's
   // on a busy machine), one task per thread pulling items from a shared counter (dynamic balance).
   const int64_t nthr = std::min<int64_t>(threads, nwork);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nthr, 1, [&](int64_t, int64_t) {
+  std::atomic<int64_t> next{nthr};
+  at::parallel_for(0, nthr, 1, [&](int64_t t0, int64_t t1) {
     Scratch scratch(p.d);
-    // each thread claims its next item before working on the current one, so that the current one's last
-    // chunk can prefetch the next one's first keys
-    for (int64_t w = next.fetch_add(1, std::memory_order_relaxed); w < nwork;) {
-      const int64_t w2 = next.fetch_add(1, std::memory_order_relaxed);
-      scratch.next = w2 < nwork ? &work[order[w2]] : nullptr;
-      fn(p, work[order[w]], scratch, partials.data());
-      w = w2;
-    }
+    // Task t starts with item t (the first items are dealt out, so that two items on two threads never end up
+    // on one: a thread claims its next item before working on the current one, so that the current one's last
+    // chunk can prefetch the next one's first keys), then pulls from the counter.
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t w = t; w < nwork;) {
+        const int64_t w2 = next.fetch_add(1, std::memory_order_relaxed);
+        scratch.next = w2 < nwork ? &work[order[w2]] : nullptr;
+        fn(p, work[order[w]], scratch, partials.data());
+        w = w2;
+      }
   });
   if (!groups.empty()) {
     at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t b, int64_t e) {
