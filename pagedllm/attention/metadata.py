@@ -37,6 +37,8 @@ def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int
 def compute_positions(num_computed: list[int], num_new: list[int]) -> np.ndarray:
     """Positions of all new tokens of the flat batch: request r contributes num_computed[r] + arange(num_new[r])."""
     computed = np.asarray(num_computed, dtype=np.int64)
+    if all(n == 1 for n in num_new):  # a decode step: each request's one token sits at its computed length
+        return computed
     new = np.asarray(num_new, dtype=np.int64)
     starts = np.concatenate(([0], np.cumsum(new)[:-1])) if len(new) else np.zeros(0, np.int64)
     total = int(new.sum())
