@@ -16,7 +16,8 @@
 //     bf16 K/V are widened when loaded;
 //   * "bf16 dot" path (the same rows when q and the cache are both bf16 and the CPU has AVX512-BF16): the bf16
 //     rows go straight into vdpbf16ps, and an item takes all KV heads of the request (whole K/V token rows, read
-//     as one stream per block; see one_item_per_token_row), with prefetches spread over the chunk's work;
+//     as one stream per block; see one_item_per_token_row; one head per item where a step has too few slices of
+//     work for the threads, e.g. a lone decode token), with prefetches spread over the chunk's work;
 //   * "lanes" path (>= kLanesMinRows query rows, prefill): query rows live in vector lanes, K/V elements are broadcast, so
 //     the row max / rescale of the online softmax are plain vertical vector ops; with bf16 q and cache on an
 //     AVX512-BF16 CPU, pairs of bf16 elements are broadcast into vdpbf16ps instead (attend_lanes_bf16).
