@@ -243,10 +243,12 @@ void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partia
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
   Prefetcher pf(table, p.bs, it.k0);
+  FarPrefetcher far(table, p.bs, std::min<int64_t>(it.k1, it.k0 + (1 + PA_PREFETCH_CHUNKS) * kChunk));
   const int64_t per_head = rows / it.nh;
   auto chunk = std::make_unique<Int8Chunk<ND>>(p, it, s, rows);
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {
     const int64_t nk = std::min<int64_t>(kChunk, it.k1 - c);
+    far.run(p, it, c);
     pf.run(p, it, c, 2);
     chunk->load(cur, nk);
     for (int64_t hh = 0; hh < it.nh; ++hh)
