@@ -117,7 +117,7 @@ def test_linear_row_alone_equals_row_in_batch(path, k, n):
 HQ, HKV, D, BS = 6, 2, 64, 16
 
 
-def _pool(gen, lens: list[int], kv_dtype):
+def _pool(gen, lens: list[int], kv_dtype, hkv: int = HKV):
     need = [-(-n // BS) for n in lens]
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -125,8 +125,8 @@ def _pool(gen, lens: list[int], kv_dtype):
     for nb in need:
         tables.append(perm[at:at + nb])
         at += nb
-    k_cache = random_pool((num_blocks, BS, HKV, D), kv_dtype, gen)
-    v_cache = random_pool((num_blocks, BS, HKV, D), kv_dtype, gen)
+    k_cache = random_pool((num_blocks, BS, hkv, D), kv_dtype, gen)
+    v_cache = random_pool((num_blocks, BS, hkv, D), kv_dtype, gen)
     return tables, k_cache, v_cache
 
 
@@ -139,10 +139,12 @@ def _attend(q_rows, tables, lens, new, k_cache, v_cache):
 
 @pytest.mark.parametrize("path", KERNEL_PATHS, ids=[p.name for p in KERNEL_PATHS])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_row_alone_equals_row_in_batch(path, threads):
+@pytest.mark.parametrize("hkv", [HKV, 1], ids=["kv_heads_2", "kv_head_1"])
+def test_attention_row_alone_equals_row_in_batch(path, threads, hkv):
     """One request (decode, a verification of 4 drafts, a prefill of 40 tokens, a long context split into slices)
     alone and among 1..299 others of random lengths and query counts (alone, a request's few query tokens are cut
-    into one tile per thread)."""
+    into one tile per thread, a lone token's KV heads into one item each, and with one KV head its query heads
+    into parts)."""
     gen = torch.Generator().manual_seed(threads)
     rnd = random.Random(threads)
     old = torch.get_num_threads()
@@ -152,7 +154,7 @@ def test_attention_row_alone_equals_row_in_batch(path, threads):
             for m in [1, *BATCH_SIZES]:
                 lens = [target_len] + [rnd.randrange(1, 300) for _ in range(m - 1)]
                 new = [target_new] + [rnd.choice([1, 1, 1, min(n, rnd.randrange(1, 50))]) for n in lens[1:]]
-                tables, k_cache, v_cache = _pool(gen, lens, path.kv_dtype)
+                tables, k_cache, v_cache = _pool(gen, lens, path.kv_dtype, hkv)
                 q = [torch.randn(t, HQ, D, generator=gen).to(path.dtype) for t in new]
                 alone = _attend(q[:1], tables[:1], lens[:1], new[:1], k_cache, v_cache)[0]
                 batched = _attend(q, tables, lens, new, k_cache, v_cache)[0]

@@ -92,19 +92,23 @@ struct Item {
   int32_t k0, k1;        // keys [k0, k1) of the context
   int64_t part;          // offset of this slice's partial result in the partials buffer, -1 = write out directly
   int32_t nh = 1;        // KV heads h .. h + nh - 1 (more than one on the bf16 decode path only)
+  int32_t q0 = 0, nq = 0;  // query heads q0 .. q0 + nq - 1 of each KV head's group (nq = 0: the whole group)
 };
 
-// Query rows of an item, head-major: row i = KV head h + i / per_head, token t0 + (i % per_head) / group, query
-// head (h + i / per_head) * group + i % group.
+// Query heads per KV head in an item.
+inline int64_t item_group(const Problem& p, const Item& it) { return it.nq > 0 ? it.nq : p.group; }
+
+// Query rows of an item, head-major: with g = item_group, row i = KV head h + i / per_head, token
+// t0 + (i % per_head) / g, query head (h + i / per_head) * group + q0 + i % g.
 inline int64_t item_rows(const Problem& p, const Item& it) {
-  return static_cast<int64_t>(it.t1 - it.t0) * p.group * it.nh;
+  return static_cast<int64_t>(it.t1 - it.t0) * item_group(p, it) * it.nh;
 }
 
 // (token, query head) of row i.
 inline std::pair<int64_t, int64_t> row_of(const Problem& p, const Item& it, int64_t i) {
-  const int64_t per_head = static_cast<int64_t>(it.t1 - it.t0) * p.group;
+  const int64_t g = item_group(p, it), per_head = static_cast<int64_t>(it.t1 - it.t0) * g;
   const int64_t hh = i / per_head, rem = i % per_head;
-  return {it.t0 + rem / p.group, (it.h + hh) * p.group + rem % p.group};
+  return {it.t0 + rem / g, (it.h + hh) * p.group + it.q0 + rem % g};
 }
 
 struct FreeDeleter {

@@ -186,20 +186,29 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   for (const Item& it : items) total += static_cast<int64_t>(it.k1 - it.k0) * item_rows(p, it);
   const int64_t threads = std::clamp<int64_t>(total / kMinWorkPerThread, 1, std::max(1, at::get_num_threads()));
   // Too few slices of work to balance the threads (a lone decode token: one slice per 512 keys): an item of several
-  // KV heads becomes one item per head, so that the heads run on different threads. A row's arithmetic is the same
-  // either way (it reads its own head's keys only), so batch invariance holds.
+  // KV heads becomes one item per head, so that the heads run on different threads; where that still leaves a
+  // thread idle (one KV head, as in Gemma 3), each head's query heads are cut in parts. A row's arithmetic is the
+  // same either way (its scores, softmax and sums involve no other row), so batch invariance holds.
   int64_t slices = 0;
   for (const Item& it : items)
     slices += p.invariant ? (it.k1 - it.k0 + kInvariantSliceKeys - 1) / kInvariantSliceKeys : 1;
   if (slices < kItemsPerThread * threads) {
-    std::vector<Item> per_head;
+    int64_t per_head_slices = 0;
+    for (const Item& it : items) per_head_slices += it.nh;
+    per_head_slices *= std::max<int64_t>(1, slices / static_cast<int64_t>(items.size()));
+    const int64_t parts = std::clamp<int64_t>((threads + per_head_slices - 1) / per_head_slices, 1, p.group);
+    std::vector<Item> split;
     for (const Item& it : items)
-      for (int32_t h = 0; h < it.nh; ++h) {
-        Item one = it;
-        one.h = it.h + h, one.nh = 1;
-        per_head.push_back(one);
-      }
-    items = std::move(per_head);
+      for (int32_t h = 0; h < it.nh; ++h)
+        for (int64_t q = 0; q < parts; ++q) {
+          Item one = it;
+          one.h = it.h + h, one.nh = 1;
+          if (parts > 1)
+            one.q0 = static_cast<int32_t>(p.group * q / parts),
+            one.nq = static_cast<int32_t>(p.group * (q + 1) / parts - one.q0);
+          split.push_back(one);
+        }
+    items = std::move(split);
   }
   // Split long contexts when there are too few items to keep every thread busy (flash-decoding).
   const int64_t want = min_items > 0 ? min_items : (threads > 1 ? kItemsPerThread * threads : 1);
