@@ -189,23 +189,23 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   // KV heads becomes one item per head, so that the heads run on different threads; where that still leaves a
   // thread idle (one KV head, as in Gemma 3), each head's query heads are cut in parts. A row's arithmetic is the
   // same either way (its scores, softmax and sums involve no other row), so batch invariance holds.
-  int64_t slices = 0;
-  for (const Item& it : items)
-    slices += p.invariant ? (it.k1 - it.k0 + kInvariantSliceKeys - 1) / kInvariantSliceKeys : 1;
+  const auto slices_of = [&](const Item& it) -> int64_t {  // the invariant mode's fixed slices (else one)
+    return p.invariant ? (it.k1 - it.k0 + kInvariantSliceKeys - 1) / kInvariantSliceKeys : 1;
+  };
+  int64_t slices = 0, head_slices = 0;  // slices, and slices once every item is one KV head
+  for (const Item& it : items) slices += slices_of(it), head_slices += slices_of(it) * it.nh;
   if (slices < kItemsPerThread * threads) {
-    int64_t per_head_slices = 0;
-    for (const Item& it : items) per_head_slices += it.nh;
-    per_head_slices *= std::max<int64_t>(1, slices / static_cast<int64_t>(items.size()));
-    const int64_t parts = std::clamp<int64_t>((threads + per_head_slices - 1) / per_head_slices, 1, p.group);
+    const int64_t parts = std::clamp<int64_t>((threads + head_slices - 1) / head_slices, 1, p.group);
     std::vector<Item> split;
     for (const Item& it : items)
       for (int32_t h = 0; h < it.nh; ++h)
         for (int64_t q = 0; q < parts; ++q) {
           Item one = it;
           one.h = it.h + h, one.nh = 1;
-          if (parts > 1)
-            one.q0 = static_cast<int32_t>(p.group * q / parts),
-            one.nq = static_cast<int32_t>(p.group * (q + 1) / parts - one.q0);
+          if (parts > 1) {
+            one.q0 = static_cast<int32_t>(p.group * q / parts);
+            one.nq = static_cast<int32_t>(p.group * (q + 1) / parts) - one.q0;
+          }
           split.push_back(one);
         }
     items = std::move(split);
