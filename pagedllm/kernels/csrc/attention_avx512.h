@@ -127,24 +127,26 @@ inline void prefetch_key_rows(const Problem& p, const Item& it, const KeyCursor&
 }
 
 struct Prefetcher {
+  static constexpr int64_t kLeadKeys = (1 + PA_PREFETCH_CHUNKS) * kChunk;  // up to key c + kLeadKeys
   KeyCursor cur;
   int64_t next;  // next key to prefetch
   Prefetcher(const int32_t* table, int64_t bs, int64_t k0) : cur(table, bs, k0), next(k0) {}
   // Prefetches the keys up to the chunk after the one starting at key c, at most max_keys of them.
-  inline void run(const Problem& p, const Item& it, int64_t c, int64_t max_keys = kChunk * (1 + PA_PREFETCH_CHUNKS)) {
-    const int64_t target = std::min<int64_t>({it.k1, c + (1 + PA_PREFETCH_CHUNKS) * kChunk, next + max_keys});
+  inline void run(const Problem& p, const Item& it, int64_t c, int64_t max_keys = kLeadKeys) {
+    const int64_t target = std::min<int64_t>({it.k1, c + kLeadKeys, next + max_keys});
     for (; next < target; ++next, cur.next()) prefetch_key_rows(p, it, cur, false);
   }
 };
 
 // The keys further ahead, into L2: a long context streams from memory, and the one chunk of lead that the
-// prefetch into L1 has is shorter than the memory's latency. Starts at key `from`, where the path's own prefetch
-// stops.
+// prefetch into L1 has is shorter than the memory's latency. Starts where the path's own prefetch stops, `near`
+// keys into the item.
 struct FarPrefetcher {
   static constexpr int64_t kLeadKeys = 96;  // prefetched up to key c + kLeadKeys while the chunk at c runs
   KeyCursor cur;
   int64_t next;
-  FarPrefetcher(const int32_t* table, int64_t bs, int64_t from) : cur(table, bs, from), next(from) {}
+  FarPrefetcher(const int32_t* table, int64_t bs, const Item& it, int64_t near)
+      : cur(table, bs, std::min<int64_t>(it.k1, it.k0 + near)), next(std::min<int64_t>(it.k1, it.k0 + near)) {}
   inline void run(const Problem& p, const Item& it, int64_t c) {
     for (const int64_t target = std::min<int64_t>(it.k1, c + kLeadKeys); next < target; ++next, cur.next())
       prefetch_key_rows(p, it, cur, true);
@@ -213,7 +215,7 @@ void attend_dot_chunks(const Problem& p, const Item& it, Scratch& s, float* part
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
   Prefetcher pf(table, p.bs, it.k0);
-  FarPrefetcher far(table, p.bs, std::min<int64_t>(it.k1, it.k0 + (1 + PA_PREFETCH_CHUNKS) * kChunk));
+  FarPrefetcher far(table, p.bs, it, Prefetcher::kLeadKeys);
   const int64_t per_head = rows / it.nh;
   Chunk chunk(p, it, s, rows);
   alignas(64) float probs[kMaxRows * kChunk];  // this chunk's softmax numerators, kChunk per query row

@@ -132,8 +132,7 @@ void attend_dot_bf16(const Problem& p, const Item& it, Scratch& s, float* partia
   const uint16_t* ptrs[4][kPairChunk];  // K and V rows of this chunk and of the next one
   const uint16_t **kr = ptrs[0], **vr = ptrs[1], **kn = ptrs[2], **vn = ptrs[3];
   chunk_ptrs(p, it.h, cur, std::min<int64_t>(kPairChunk, it.k1 - it.k0), kr, vr);
-  // chunk_ptrs below covers the next chunk; the far prefetch the ones after it
-  FarPrefetcher far(table, p.bs, std::min<int64_t>(it.k1, it.k0 + 2 * kPairChunk));
+  FarPrefetcher far(table, p.bs, it, 2 * kPairChunk);  // chunk_ptrs below covers the next chunk
   for (int64_t c = it.k0; c < it.k1; c += kPairChunk) {
     const int64_t nk = std::min<int64_t>(kPairChunk, it.k1 - c);
     const bool has_next = c + kPairChunk < it.k1;

@@ -243,7 +243,7 @@ void attend_dot_int8(const Problem& p, const Item& it, Scratch& s, float* partia
   const int32_t* table = p.bt + static_cast<int64_t>(it.r) * p.maxb;
   KeyCursor cur(table, p.bs, it.k0);
   Prefetcher pf(table, p.bs, it.k0);
-  FarPrefetcher far(table, p.bs, std::min<int64_t>(it.k1, it.k0 + (1 + PA_PREFETCH_CHUNKS) * kChunk));
+  FarPrefetcher far(table, p.bs, it, Prefetcher::kLeadKeys);
   const int64_t per_head = rows / it.nh;
   auto chunk = std::make_unique<Int8Chunk<ND>>(p, it, s, rows);
   for (int64_t c = it.k0; c < it.k1; c += kChunk) {

@@ -202,10 +202,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
         for (int64_t q = 0; q < parts; ++q) {
           Item one = it;
           one.h = it.h + h, one.nh = 1;
-          if (parts > 1) {
-            one.q0 = static_cast<int32_t>(p.group * q / parts);
-            one.nq = static_cast<int32_t>(p.group * (q + 1) / parts) - one.q0;
-          }
+          one.q0 = static_cast<int32_t>(p.group * q / parts);
+          one.nq = static_cast<int32_t>(p.group * (q + 1) / parts) - one.q0;
           split.push_back(one);
         }
     items = std::move(split);
