@@ -2,8 +2,11 @@
 // in another (the fused decoder layer calls the small GEMM and paged attention directly, not through torch.ops).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -119,6 +122,32 @@ inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 #endif
+
+// f(b, e) over [0, n) in chunks across torch's threads, claimed from a shared counter in guided sizes: each claim
+// takes 1 / (2 x threads) of what is left, at least min_chunk. A static split in halves left one thread waiting at
+// every region's end for the other, whose share of the memory bandwidth happened to be smaller (a decode step's
+// GEMMs are ~50-400 us each); the first claims are large, so that a thread's stream stays contiguous for the
+// hardware prefetcher, and the last ones small, so that both threads finish together. Which thread computes a
+// chunk never changes what it computes.
+template <class F>
+void parallel_guided(int64_t n, int64_t min_chunk, const F& f) {
+  min_chunk = std::max<int64_t>(1, min_chunk);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + min_chunk - 1) / min_chunk);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) f(int64_t{0}, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.load(std::memory_order_relaxed); b < n;) {
+      const int64_t e = std::min(n, b + std::max(min_chunk, (n - b) / (2 * threads)));
+      if (next.compare_exchange_weak(b, e, std::memory_order_relaxed)) {
+        f(b, e);
+        b = next.load(std::memory_order_relaxed);
+      }
+    }
+  });
+}
 
 // How a kernel may compute: Python's kernels.dispatch.KernelMode, which the ops take as its two fields.
 struct KernelMode {

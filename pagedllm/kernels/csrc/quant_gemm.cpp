@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
 #include "quant_gemm.h"
 
 
@@ -259,8 +260,8 @@ void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, 
   quantize_rows(x, x_f32, M, K, acts);
   // Grain: ~32 KiB of stored weights per task (decode); at least a tile of rows.
   const int64_t grain = std::max<int64_t>(kNR, (32768 / std::max<int64_t>(row_bytes, 1)) / kNR * kNR);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    rows_buffered(qtype, w, row_bytes, acts, M, K, n0, n1, out, out_f32, ldo);
+  parallel_guided((N + kNR - 1) / kNR, grain / kNR, [&](int64_t t0, int64_t t1) {
+    rows_buffered(qtype, w, row_bytes, acts, M, K, t0 * kNR, std::min(N, t1 * kNR), out, out_f32, ldo);
   });
 }
 

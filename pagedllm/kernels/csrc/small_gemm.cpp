@@ -69,7 +69,9 @@ void small_gemm_bf16_raw(const uint16_t* x, const uint16_t* w, uint16_t* out, in
 #if PL_AVX512_BF16
   // Grain: enough rows that one task reads ~64 KiB of weights (fewer, larger tasks wake fewer threads).
   const int64_t grain = std::max<int64_t>(kRows, ((32768 / std::max<int64_t>(K, 1)) + kRows - 1) / kRows * kRows);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { gemm_rows(x, w, out, M, N, K, n0, n1); });
+  parallel_guided((N + kRows - 1) / kRows, grain / kRows, [&](int64_t t0, int64_t t1) {
+    gemm_rows(x, w, out, M, N, K, t0 * kRows, std::min(N, t1 * kRows));
+  });
 #else
   TORCH_CHECK(false, "small_gemm_bf16 needs a CPU with avx512_bf16 (the model falls back to F.linear)");
 #endif
