@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "isa.h"
 
@@ -123,28 +124,48 @@ inline __m512 reduce16(const __m512* v) {
 }
 #endif
 
-// f(b, e) over [0, n) in chunks across torch's threads, claimed from a shared counter in guided sizes: each claim
-// takes 1 / (2 x threads) of what is left, at least min_chunk. A static split in halves left one thread waiting at
-// every region's end for the other, whose share of the memory bandwidth happened to be smaller (a decode step's
-// GEMMs are ~50-400 us each); the first claims are large, so that a thread's stream stays contiguous for the
-// hardware prefetcher, and the last ones small, so that both threads finish together. Which thread computes a
-// chunk never changes what it computes.
+// f(b, e) over [0, n) across torch's threads: each thread owns an equal share, works through it from the front
+// in chunks of min_chunk, and then takes half of what is left of another thread's share from its back. A static
+// split alone left one thread waiting at every region's end for the other, whose share of the memory bandwidth
+// happened to be smaller (a decode step's GEMMs are ~10-400 us each). A thread's own claims are contiguous (its
+// stream stays one for the prefetchers) and touch only its own share's counter, so a balanced region costs what a
+// static one does. Which thread computes a chunk never changes what it computes.
 template <class F>
-void parallel_guided(int64_t n, int64_t min_chunk, const F& f) {
+void parallel_balanced(int64_t n, int64_t min_chunk, const F& f) {
   min_chunk = std::max<int64_t>(1, min_chunk);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + min_chunk - 1) / min_chunk);
   if (threads <= 1 || at::in_parallel_region()) {
     if (n > 0) f(int64_t{0}, n);
     return;
   }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t b = next.load(std::memory_order_relaxed); b < n;) {
-      const int64_t e = std::min(n, b + std::max(min_chunk, (n - b) / (2 * threads)));
-      if (next.compare_exchange_weak(b, e, std::memory_order_relaxed)) {
-        f(b, e);
-        b = next.load(std::memory_order_relaxed);
+  TORCH_CHECK(n < (int64_t{1} << 31), "parallel_balanced: range too large");
+  struct alignas(64) Share {
+    std::atomic<uint64_t> span;  // front (low 32 bits) and back (high 32 bits) of what is left
+  };
+  const auto pack = [](uint64_t front, uint64_t back) { return front | back << 32; };
+  std::vector<Share> shares(threads);
+  for (int64_t t = 0; t < threads; ++t) shares[t].span = pack(n * t / threads, n * (t + 1) / threads);
+  // Claims [b, e) of share s: from its front (own = true: at most min_chunk) or half of the rest from its back.
+  const auto claim = [&](Share& s, bool own, int64_t* b, int64_t* e) {
+    uint64_t span = s.span.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(span & 0xffffffffu), back = static_cast<int64_t>(span >> 32);
+      if (front >= back) return false;
+      uint64_t rest;
+      if (own) {
+        *b = front, *e = std::min(back, front + min_chunk), rest = pack(*e, back);
+      } else {
+        *b = std::max(front, back - std::max(min_chunk, (back - front) / 2)), *e = back, rest = pack(front, *b);
       }
+      if (s.span.compare_exchange_weak(span, rest, std::memory_order_relaxed)) return true;
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    int64_t b, e;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (claim(shares[t], true, &b, &e)) f(b, e);
+      for (int64_t k = 1; k < threads; ++k)
+        while (claim(shares[(t + k) % threads], false, &b, &e)) f(b, e);
     }
   });
 }

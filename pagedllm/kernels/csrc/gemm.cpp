@@ -203,7 +203,7 @@ void gemm_invariant_raw(const void* x, const void* w, void* out, bool bf16, int6
   const int64_t grain = std::max<int64_t>(kTileCols, (16384 / std::max<int64_t>(K, 1) + kTileCols - 1) / kTileCols *
                                                          kTileCols);
   const int64_t tiles = (N + kTileCols - 1) / kTileCols;
-  parallel_guided(tiles, std::max<int64_t>(1, grain / kTileCols), [&](int64_t t0, int64_t t1) {
+  parallel_balanced(tiles, std::max<int64_t>(1, grain / kTileCols), [&](int64_t t0, int64_t t1) {
     gemm_columns(x, w, out, bf16, M, N, K, t0 * kTileCols, std::min(N, t1 * kTileCols));
   });
 }

@@ -260,7 +260,7 @@ void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, 
   quantize_rows(x, x_f32, M, K, acts);
   // Grain: ~32 KiB of stored weights per task (decode); at least a tile of rows.
   const int64_t grain = std::max<int64_t>(kNR, (32768 / std::max<int64_t>(row_bytes, 1)) / kNR * kNR);
-  parallel_guided((N + kNR - 1) / kNR, grain / kNR, [&](int64_t t0, int64_t t1) {
+  parallel_balanced((N + kNR - 1) / kNR, grain / kNR, [&](int64_t t0, int64_t t1) {
     rows_buffered(qtype, w, row_bytes, acts, M, K, t0 * kNR, std::min(N, t1 * kNR), out, out_f32, ldo);
   });
 }

@@ -469,7 +469,7 @@ template <class T>
 void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, int64_t N, int64_t ldo) {
   const int64_t group_bytes = A.K / T::kBlock * Packed<T>::kUnitBytes;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
-  parallel_guided(N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
+  parallel_balanced(N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
     // kRowChunk activation rows at a time over this claim's groups: the chunk's int8 rows stay in L2 while every
     // group streams past them (all M rows per group spilled a long prompt's activations out of L2, re-read for
     // each group); the weights are re-read once per chunk instead. Every output's arithmetic is the same.

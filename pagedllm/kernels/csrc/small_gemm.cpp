@@ -69,7 +69,7 @@ void small_gemm_bf16_raw(const uint16_t* x, const uint16_t* w, uint16_t* out, in
 #if PL_AVX512_BF16
   // Grain: enough rows that one task reads ~64 KiB of weights (fewer, larger tasks wake fewer threads).
   const int64_t grain = std::max<int64_t>(kRows, ((32768 / std::max<int64_t>(K, 1)) + kRows - 1) / kRows * kRows);
-  parallel_guided((N + kRows - 1) / kRows, grain / kRows, [&](int64_t t0, int64_t t1) {
+  parallel_balanced((N + kRows - 1) / kRows, grain / kRows, [&](int64_t t0, int64_t t1) {
     gemm_rows(x, w, out, M, N, K, t0 * kRows, std::min(N, t1 * kRows));
   });
 #else
