@@ -178,7 +178,7 @@ const uint8_t* row_codes(const uint8_t* g, int64_t k) {
 
 // ---- activations ----------------------------------------------------------------------------------------------
 struct Acts {
-  int64_t K = 0;
+  int64_t K = 0, capacity = 0;  // capacity: elements of `a`
   std::unique_ptr<int8_t[]> a;   // [M, K]
   std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
   std::unique_ptr<int32_t[]> s32;  // [M, K / 32]: sum of codes
@@ -186,9 +186,8 @@ struct Acts {
 };
 
 // One 32-block: codes round(v * 127 / amax) (half to even); sums[h] = the sum of codes 16h..16h+15; *d = amax / 127.
-inline void quantize_block(const float* v, int8_t* a, float* d, int* sums) {
 #if PL_VNNI
-  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+inline void quantize_block(__m512 v0, __m512 v1, int8_t* a, float* d, int* sums) {
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
@@ -196,7 +195,23 @@ inline void quantize_block(const float* v, int8_t* a, float* d, int* sums) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
   *d = amax / 127.f;
   sums[0] = _mm512_reduce_add_epi32(q0), sums[1] = _mm512_reduce_add_epi32(q1);
+}
+
+// x's 32 elements at `at` (fp32 or bf16) quantized.
+inline void quantize_block_at(const void* x, bool x_f32, int64_t at, int8_t* a, float* d, int* sums) {
+  if (x_f32) {
+    const float* v = static_cast<const float*>(x) + at;
+    quantize_block(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16), a, d, sums);
+  } else {
+    const uint16_t* v = static_cast<const uint16_t*>(x) + at;
+    quantize_block(load_bf16(v), load_bf16(v + 16), a, d, sums);
+  }
+}
 #else
+inline void quantize_block_at(const void* x, bool x_f32, int64_t at, int8_t* a, float* d, int* sums) {
+  float v[32];
+  for (int i = 0; i < 32; ++i)
+    v[i] = x_f32 ? static_cast<const float*>(x)[at + i] : bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
   float amax = 0.f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -207,27 +222,29 @@ inline void quantize_block(const float* v, int8_t* a, float* d, int* sums) {
     sums[i / 16] += q;
   }
   *d = amax / 127.f;
-#endif
 }
+#endif
+
+constexpr int64_t kKeptActBytes = 1 << 20;  // activation codes up to this size (and their scales) are kept per thread
 
 void quantize_acts(const void* x, bool x_f32, int64_t M, int64_t K, Acts& acts) {
+  // A decode step makes ~100 of these calls on one row each; reusing the buffers saves a malloc and free of each.
+  if (M * K > acts.capacity || acts.capacity > kKeptActBytes) {  // a larger buffer is not kept past its next call
+    acts.capacity = M * K;
+    acts.a.reset(new int8_t[M * K]);
+    acts.d.reset(new float[M * K / 32]);
+    acts.ds.reset(new float[M * K / 32]);
+    acts.s32.reset(new int32_t[M * K / 32]);
+    acts.s16.reset(new int32_t[M * K / 16]);
+  }
   acts.K = K;
-  acts.a.reset(new int8_t[M * K]);
-  acts.d.reset(new float[M * K / 32]);
-  acts.ds.reset(new float[M * K / 32]);
-  acts.s32.reset(new int32_t[M * K / 32]);
-  acts.s16.reset(new int32_t[M * K / 16]);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    float v[32];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k = 0; k < K; k += 32) {
         const int64_t at = m * K + k;
-        const float* block = x_f32 ? static_cast<const float*>(x) + at : v;
-        if (!x_f32)
-          for (int i = 0; i < 32; ++i) v[i] = bf16_to_f32(static_cast<const uint16_t*>(x)[at + i]);
         float d;
         int sums[2];
-        quantize_block(block, acts.a.get() + at, &d, sums);
+        quantize_block_at(x, x_f32, at, acts.a.get() + at, &d, sums);
         acts.d[at / 32] = d, acts.ds[at / 32] = d * static_cast<float>(sums[0] + sums[1]);
         acts.s32[at / 32] = sums[0] + sums[1], acts.s16[at / 16] = sums[0], acts.s16[at / 16 + 1] = sums[1];
       }
@@ -513,7 +530,7 @@ void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base
                        int64_t M, int64_t N, int64_t K, int64_t ldo) {
   TORCH_CHECK(packable(base, N, K), "quant_gemm: packed type ", base, " with N ", N, ", K ", K, " is not packable");
   if (M == 0) return;
-  Acts acts;
+  thread_local Acts acts;
   quantize_acts(x, x_f32, M, K, acts);
   visit_type(base, [&](auto tag) { gemm<typename decltype(tag)::traits>(acts, w, out, out_f32, M, N, ldo); });
 }
