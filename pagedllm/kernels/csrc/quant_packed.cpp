@@ -487,9 +487,9 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
   const int64_t group_bytes = A.K / T::kBlock * Packed<T>::kUnitBytes;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
   parallel_balanced(N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
-    // kRowChunk activation rows at a time over this claim's groups: the chunk's int8 rows stay in L2 while every
-    // group streams past them (all M rows per group spilled a long prompt's activations out of L2, re-read for
-    // each group); the weights are re-read once per chunk instead. Every output's arithmetic is the same.
+    // The claim's groups against kRowChunk activation rows at a time: a chunk's int8 rows stay in L2 while the
+    // claim's groups pass them (a claim of many rows is a group or two, which stays in cache across the chunks).
+    // Every output's arithmetic is the same.
     for (int64_t mc = 0; mc < M; mc += kRowChunk)
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* gw = w + g * group_bytes;
