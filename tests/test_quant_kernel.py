@@ -41,8 +41,8 @@ def test_type_table_is_the_kernels():
     """types.py's rows are the C++ traits' geometry (quant_types.h), type for type, and every type packs."""
     table = kernel_op("quant_type_table")().tolist()
     assert [(i, b, n) for i, b, n, _ in table] == [(t.id, t.block, t.bytes) for t in KERNEL_TYPES]
-    for _, _, nbytes, packed_bytes in table:
-        assert nbytes <= packed_bytes <= 1.03 * nbytes
+    for _, _, nbytes, packed_bytes in table:  # at most Q3_K's 114 for 110: its 6-bit scales stored as bytes
+        assert nbytes <= packed_bytes <= 1.04 * nbytes
 
 
 def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ def test_packed_form_holds_the_files_values(qtype):
     assert torch.equal(packed.dequantize(), raw.dequantize().float())
     ids = torch.tensor([31, 0, 17, 17, 5])
     assert torch.equal(packed.embedding(ids, torch.float32), raw.embedding(ids, torch.float32))
-    assert packed.nbytes <= 1.03 * raw.nbytes
+    assert packed.nbytes <= 1.04 * raw.nbytes  # Q3_K: 114 bytes for the file's 110
     x = torch.randn(5, k)
     torch.testing.assert_close(packed.matmul(x), raw.matmul(x), rtol=1e-5, atol=1e-5)
 

@@ -172,7 +172,7 @@ def test_fused_stack_in_runs_of_layers_is_the_same_as_in_one_call(gguf_dir):
         stack.forward(h, cos, sin, kv.pool[:, :1], kv.pool_rows, *args, 0, n, True)
 
 
-def _mix(shape_name: str) -> dict[str, int]:
+def _mix(shape_name: str, file_type: str = "Q4_K_M") -> dict[str, int]:
     from collections import Counter
 
     from pagedllm.benchmarks.gguf_writer import SHAPES, tensor_type
@@ -183,7 +183,7 @@ def _mix(shape_name: str) -> dict[str, int]:
         ("attn_q", s.hidden), ("attn_k", s.hidden), ("attn_v", s.hidden), ("attn_output", q),
         ("ffn_gate", s.hidden), ("ffn_up", s.hidden), ("ffn_down", s.ffn))]
     assert kv > 0
-    return dict(Counter(tensor_type("Q4_K_M", n, i, s.layers, cols, s.tied) for n, i, cols in names))
+    return dict(Counter(tensor_type(file_type, n, i, s.layers, cols, s.tied) for n, i, cols in names))
 
 
 def test_q4_k_m_is_typed_as_llama_quantize_types_it():
@@ -193,6 +193,14 @@ def test_q4_k_m_is_typed_as_llama_quantize_types_it():
     matrices hold."""
     assert _mix("qwen2.5-0.5b") == {"Q8_0": 13, "Q5_0": 132, "Q6_K": 12, "Q4_K": 12}
     assert _mix("qwen2.5-1.5b") == {"Q6_K": 29, "Q4_K": 168}
+
+
+def test_q3_k_m_is_typed_as_llama_quantize_types_it():
+    """The counts llama-quantize (llama.cpp 0c1e570) wrote for Q3_K_M from F16 files of these shapes, every tensor
+    the same type as make-model's. 0.5B: Q3_K falls back to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1 (attn_v of layers 0
+    and 1), except ffn_down (4,864 wide: Q5_K in layer 0, Q4_K after); 1.5B: no fallbacks."""
+    assert _mix("qwen2.5-0.5b", "Q3_K_M") == {"Q8_0": 1, "Q4_0": 96, "Q5_1": 2, "Q5_0": 46, "Q5_K": 1, "Q4_K": 23}
+    assert _mix("qwen2.5-1.5b", "Q3_K_M") == {"Q6_K": 1, "Q3_K": 112, "Q5_K": 3, "Q4_K": 81}
 
 
 def test_vocabulary_is_padded_to_the_shape(tmp_path):

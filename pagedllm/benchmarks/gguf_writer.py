@@ -5,10 +5,13 @@ F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The package has no K-quant or IQ4 quan
 written as random but well-formed blocks (random codes, sub-scales and mins, super-scales chosen so that the
 weights have about the same spread as the normals): for a random-weight model either is as good.
 
-Q4_K_M is typed tensor by tensor as llama.cpp's llama-quantize types it (`llama_quant_type`): Q6_K for the output
-head (or the tied embedding), for attn_v and ffn_down of the layers its use_more_bits picks, Q4_K elsewhere, and
-its fallbacks where rows are not whole 256-blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an
-output head -> Q8_0). A single-type file is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
+Q4_K_M and Q3_K_M are typed tensor by tensor as llama.cpp's llama-quantize types them (`llama_tensor_get_type`):
+- Q4_K_M: Q6_K for the output head (or the tied embedding), for attn_v and ffn_down of the layers its
+  use_more_bits picks, Q4_K elsewhere;
+- Q3_K_M: Q6_K for the head, Q5_K for attn_v of the first two layers and ffn_down of the first sixteenth, Q4_K for
+  the other attn_v, ffn_down and every attn_output, Q3_K elsewhere;
+- both with llama-quantize's fallbacks where rows are not whole 256-blocks (Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
+  Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an output head -> Q8_0). A single-type file is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
 The vocabulary of a shape (151,936 for Qwen2.5) pads the embedded tokenizer's with unused tokens: a real prompt
 never samples them, but every decode step reads their rows of the output head.
 """
@@ -21,10 +24,10 @@ import numpy as np
 
 from pagedllm.quantization.types import BY_NAME, FLOAT_TYPES
 
-FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-              "IQ4_XS", "Q4_K_M")
+FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q4_K_M")
 # types gguf.quants has no quantizer for: written as random well-formed blocks
-RANDOM_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+RANDOM_BLOCK_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ SHAPES = {
     "llama-3.2-3b": ModelShape("llama", 28, 3072, 8192, 24, 8, 128, **_LLAMA3),
 }
 # llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
-MIXES = {"Q4_K_M": "Q4_K"}  # mixed file types and their default tensor type
+FALLBACK = {"Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+MIXES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K"}  # mixed file types and their default tensor type
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -67,11 +70,14 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
     """The ggml type of one weight matrix (name: "token_embd", "output", "attn_v", ...) in a file of `file_type`,
     as llama-quantize decides it (norms and biases are always F32)."""
     t = MIXES.get(file_type, file_type)
-    if file_type == "Q4_K_M":
-        if name == "output" or (tied and name == "token_embd"):
-            t = "Q8_0" if cols % 256 else "Q6_K"
-        elif name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
-            t = "Q6_K"
+    if file_type in MIXES and (name == "output" or (tied and name == "token_embd")):
+        t = "Q8_0" if cols % 256 else "Q6_K"
+    elif file_type == "Q4_K_M" and name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
+        t = "Q6_K"
+    elif file_type == "Q3_K_M" and name in ("attn_v", "ffn_down", "attn_output"):
+        # attn_v counts its tensors, ffn_down its layers (the same here: one of each per layer)
+        first = layer < 2 if name == "attn_v" else name == "ffn_down" and layer < num_layers // 16
+        t = "Q5_K" if first else "Q4_K"
     if t not in FLOAT_TYPES and cols % BY_NAME[t].block:
         t = FALLBACK.get(t, "F16")
         if cols % BY_NAME[t].block:
@@ -87,6 +93,9 @@ def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, st
         return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(rows, -1)
     nb = rows * cols // 256
     d = np.full((nb, 1), 0, np.float16)
+    if qtype == "Q3_K":  # hmask[32], qs[64], 16 6-bit scales (minus 32: spread ~18) in 12 bytes, fp16 d; codes ~2.3
+        d[:] = np.float16(std / (18 * 2.3))
+        return np.concatenate([rng.integers(0, 256, (nb, 108), dtype=np.uint8), d.view(np.uint8)], 1).reshape(rows, -1)
     if qtype == "IQ4_XS":  # fp16 d, 8 6-bit scales (minus 32: spread ~18) in 2 + 4 bytes, 128 bytes of indices
         d[:] = np.float16(std / (18 * 65))
         return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 134), dtype=np.uint8)], 1).reshape(rows, -1)

@@ -11,14 +11,16 @@
 // bytes 4j..4j+3 (low nibbles: elements 4j..4j+3, high nibbles: 16 + 4j..), then
 //   k5: 8 masks of 64 bits, mask s bit 4i + b = the fifth bit of row i's element 4s + b;
 //   k6: 2 vectors of 64 bytes, vector v lane i byte b bits 2t, 2t + 1 = the top bits of element 4(4v + t) + b;
-//   k8: instead of the plane, 8 vectors (vector s lane i = row i's elements 4s..4s+3 as u8).
+//   k8: instead of the plane, 8 vectors (vector s lane i = row i's elements 4s..4s+3 as u8);
+//   k3: instead of the plane, 2 vectors of 64 bytes laid out as k6's top bits (the low two bits), then 8 masks of
+//       64 bits laid out as k5's (the third bit).
 //
 // Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even), with the
 // sum of its codes per 32 and per 16 (sa, sa_h) and dsa = da * sa. out[m, n] = sum over blocks, in order, of
 // (isum: the exact int32 dot of operands and codes)
 //   a float offset wo (kHasMin): acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)
 //   a fixed zero (the rest):     acc = fma(float(isum - kZero * sa), ws * da, acc)
-//   one scale per 16 (Q6_K):     t = float(isum_0 - kZero * sa_0) * ws_0; t = fma(float(isum_1 - ...), ws_1, t);
+//   one scale per 16 (Q3_K, Q6_K): t = float(isum_0 - kZero * sa_0) * ws_0; t = fma(float(isum_1 - ...), ws_1, t);
 //                                acc = fma(t, da, acc)
 // (the zero is taken off in integers, exactly: one fma a block fewer than an offset in floats).
 // The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal (a test
@@ -53,7 +55,7 @@ struct Packed {
   static constexpr int kNumPer32 = sizeof(T::kPer32) / sizeof(Field);
   static constexpr int64_t kBlocks = T::kBlock / 32;
   static constexpr int64_t kCodeBytes = T::kCodes == Codes::k8 ? 512 : T::kCodes == Codes::k5 ? 320
-                                        : T::kCodes == Codes::k6 ? 384 : 256;
+                                        : T::kCodes == Codes::k6 ? 384 : T::kCodes == Codes::k3 ? 192 : 256;
   static constexpr int64_t head_offset(int f) {
     int64_t at = 0;
     for (int i = 0; i < f; ++i) at += kGroupRows * field_bytes(T::kHead[i]);
@@ -75,29 +77,40 @@ struct Packed {
 constexpr int64_t lane_byte(int64_t c, int64_t row) { return (c / 4) * 64 + row * 4 + c % 4; }
 
 // ---- packing ------------------------------------------------------------------------------------------------
+// Bit `bit` of a 32-block's codes into 8 masks of 64 bits at `at`: mask s bit 4 row + b = element 4s + b's. The
+// group's unit was zeroed first.
+inline void place_bit_plane(const uint8_t* codes, int bit, int64_t row, uint8_t* at) {
+  uint32_t plane = 0;  // bit e: element e's
+  for (int e = 0; e < 32; e += 8) plane |= gather_bits(load_u64(codes + e) >> bit) << e;
+  for (int s = 0; s < 8; ++s) at[8 * s + row / 2] |= ((plane >> (4 * s)) & 15) << (4 * (row % 2));
+}
+
+// Bits `bit`, `bit` + 1 of a 32-block's codes into 2 vectors of 64 bytes at `at`: vector v lane `row` byte b bits
+// 2t, 2t + 1 = element 4(4v + t) + b's.
+inline void place_bit_pairs(const uint8_t* codes, int bit, int64_t row, uint8_t* at) {
+  for (int v = 0; v < 2; ++v) {
+    uint8_t pairs[4] = {0, 0, 0, 0};
+    for (int t = 0; t < 4; ++t)
+      for (int b = 0; b < 4; ++b) pairs[b] |= ((codes[4 * (4 * v + t) + b] >> bit) & 3) << (2 * t);
+    std::memcpy(at + 64 * v + 4 * row, pairs, 4);
+  }
+}
+
 template <Codes C>
 void place_codes(const uint8_t* codes, int64_t row, uint8_t* blk) {
   if constexpr (C == Codes::k8) {
     for (int s = 0; s < 8; ++s) std::memcpy(blk + 64 * s + 4 * row, codes + 4 * s, 4);
     return;
+  } else if constexpr (C == Codes::k3) {
+    place_bit_pairs(codes, 0, row, blk);
+    place_bit_plane(codes, 2, row, blk + 128);
   } else {
     uint8_t plane[16];
     for (int e = 0; e < 16; e += 8)
       store_u64(plane + e, (load_u64(codes + e) & kLowNibbles) | (load_u64(codes + e + 16) & kLowNibbles) << 4);
     for (int j = 0; j < 4; ++j) std::memcpy(blk + 64 * j + 4 * row, plane + 4 * j, 4);
-    if constexpr (C == Codes::k5) {
-      uint32_t fifth = 0;  // bit e: element e's
-      for (int e = 0; e < 32; e += 8) fifth |= gather_bits(load_u64(codes + e) >> 4) << e;
-      for (int s = 0; s < 8; ++s)  // the group's unit was zeroed first
-        blk[256 + 8 * s + row / 2] |= ((fifth >> (4 * s)) & 15) << (4 * (row % 2));
-    } else if constexpr (C == Codes::k6) {
-      for (int v = 0; v < 2; ++v) {
-        uint8_t top[4] = {0, 0, 0, 0};
-        for (int t = 0; t < 4; ++t)
-          for (int b = 0; b < 4; ++b) top[b] |= ((codes[4 * (4 * v + t) + b] >> 4) & 3) << (2 * t);
-        std::memcpy(blk + 256 + 64 * v + 4 * row, top, 4);
-      }
-    }
+    if constexpr (C == Codes::k5) place_bit_plane(codes, 4, row, blk + 256);
+    if constexpr (C == Codes::k6) place_bit_pairs(codes, 4, row, blk + 256);
   }
 }
 
@@ -143,6 +156,9 @@ void pack_groups(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
 template <Codes C>
 inline int code_at(const uint8_t* blk, int64_t i, int e) {
   if constexpr (C == Codes::k8) return blk[lane_byte(e, i)];
+  if constexpr (C == Codes::k3)
+    return ((blk[64 * (e / 16) + 4 * i + e % 4] >> (2 * ((e / 4) % 4))) & 3) |
+           ((blk[128 + 8 * (e / 4) + i / 2] >> (4 * (i % 2) + e % 4)) & 1) << 2;
   const uint8_t byte = blk[lane_byte(e % 16, i)];
   int q = e < 16 ? byte & 15 : byte >> 4;
   if constexpr (C == Codes::k5) q |= ((blk[256 + 8 * (e / 4) + i / 2] >> (4 * (i % 2) + e % 4)) & 1) << 4;
@@ -261,12 +277,31 @@ inline __m512 field16(Field f, const uint8_t* p) {
   }
 }
 
+// c[s] + `value` (a bit above the codes in c) in the bytes whose bit is set in mask s of the 8 at `at`
+// (place_bit_plane's layout).
+inline void add_bit_plane(const uint8_t* at, int value, __m512i* c) {
+  const __m512i v = _mm512_set1_epi8(static_cast<char>(value));
+  for (int s = 0; s < 8; ++s) {
+    uint64_t m;
+    std::memcpy(&m, at + 8 * s, 8);
+    c[s] = _mm512_mask_add_epi8(c[s], _cvtu64_mask64(m), c[s], v);
+  }
+}
+
 // The 8 code vectors of a 32-block (vector s lane i: row i's dot operands of elements 4s..4s+3).
 template <Codes C>
 inline void load_codes(const uint8_t* blk, __m512i* c) {
   if constexpr (C == Codes::k8) {
     for (int s = 0; s < 8; ++s) c[s] = _mm512_loadu_si512(blk + 64 * s);
     return;
+  } else if constexpr (C == Codes::k3) {
+    const __m512i low2 = _mm512_set1_epi8(3);
+    for (int v = 0; v < 2; ++v) {  // bits 2t, 2t + 1 of each byte to bits 0, 1 of code vector 4v + t
+      const __m512i pairs = _mm512_loadu_si512(blk + 64 * v);
+      c[4 * v] = _mm512_and_si512(pairs, low2);
+      for (int t = 1; t < 4; ++t) c[4 * v + t] = _mm512_and_si512(_mm512_srli_epi16(pairs, 2 * t), low2);
+    }
+    add_bit_plane(blk + 128, 4, c);  // codes < 4: + 4 sets bit 2
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int j = 0; j < 4; ++j) {
@@ -274,12 +309,7 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
       c[j] = _mm512_and_si512(v, low4), c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     if constexpr (C == Codes::k5) {
-      const __m512i bit4 = _mm512_set1_epi8(16);
-      for (int s = 0; s < 8; ++s) {
-        uint64_t m;
-        std::memcpy(&m, blk + 256 + 8 * s, 8);
-        c[s] = _mm512_mask_add_epi8(c[s], _cvtu64_mask64(m), c[s], bit4);  // codes < 16: + 16 sets bit 4
-      }
+      add_bit_plane(blk + 256, 16, c);  // codes < 16: + 16 sets bit 4
     } else if constexpr (C == Codes::k6) {
       const __m512i bits45 = _mm512_set1_epi8(0x30);
       for (int v = 0; v < 2; ++v) {
@@ -298,7 +328,7 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
 }
 
 // acc plus a 32-block's exact integer dot isum (activation block b) times the block's scale, plus its offset term
-// (types with one scale per 32; Q6_K's two per 32 are applied in block_dots).
+// (types with one scale per 32; the two per 32 of Q3_K and Q6_K are applied in block_dots).
 template <class T>
 inline __m512 scale_block(__m512i isum, __m512 ws, __m512 wo, const Acts& A, int64_t b, __m512 acc) {
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_set1_ps(A.d[b])), acc);
@@ -344,9 +374,9 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) acc[j] = scale_block<T>(chain[j], ws[0], wo[0], A, b[j], acc[j]);
   } else if constexpr (T::kHalves == 2 && MR > 2) {
-    // Many rows, a scale per 16 (Q6_K): the same, one chain per row and half; the first half's scaled sum waits in
-    // t while the second half's chains run.
-    static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
+    // Many rows, a scale per 16 (Q3_K, Q6_K): the same, one chain per row and half; the first half's scaled sum
+    // waits in t while the second half's chains run.
+    static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q3_K, Q6_K)");
     const int8_t* a[MR];
     int64_t b[MR];
     __m512 t[MR];
@@ -393,7 +423,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
       if constexpr (T::kHalves == 1) {
         acc[j] = scale_block<T>(_mm512_add_epi32(part[0], part[1]), ws[0], wo[0], A, b, acc[j]);
       } else {
-        static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q6_K)");
+        static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q3_K, Q6_K)");
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
                                          _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
         acc[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(A.d[b]), acc[j]);

@@ -27,12 +27,13 @@ namespace pagedllm {
 
 // ggml type ids (the GGUF file's).
 enum QType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
-  kIQ4_XS = 23
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 // How a code is stored in the packed form, and what the int8 dot's unsigned operand is.
 enum class Codes {
+  k3,    // 2 bits + a third bit in a separate bit plane (operand = code)
   k4,    // 4 bits (operand = code)
   k5,    // 4 bits + a fifth bit in a separate bit plane
   k6,    // 4 bits + two bits in a separate plane
@@ -264,16 +265,47 @@ struct Traits<kQ5_K> : KScaleMin {
   }
 };
 
-// Q6_K: 6-bit codes (weight = d * scale_16 * (q - 32)), an int8 scale per 16 elements, d last.
-template <>
-struct Traits<kQ6_K> {
-  static constexpr int64_t kBlock = 256, kBytes = 210, kHalves = 2;
+// 256-element blocks with fp16 d and a signed 8-bit scale per 16 elements: weight = d * scale_16 * (operand - Zero).
+template <int Zero>
+struct KScale16 {
+  static constexpr int64_t kBlock = 256, kHalves = 2;
   static constexpr bool kHasMin = false;
-  static constexpr int kZero = 32;
-  static constexpr Codes kCodes = Codes::k6;
+  static constexpr int kZero = Zero;
   static constexpr Field kHead[] = {Field::kF16};  // d
   static constexpr int kNumHead = 1;
   static constexpr Field kPer32[] = {Field::kS8, Field::kS8};  // the scales of elements 0..15, 16..31
+  template <class V>
+  static void scales(const V* h, const V* f, V* ws, V* wo) {
+    ws[0] = h[0] * f[0], ws[1] = h[0] * f[1];
+    wo[0] = ws[0] * static_cast<float>(-kZero), wo[1] = ws[1] * static_cast<float>(-kZero);
+  }
+};
+
+// Q3_K: 3-bit codes (weight = d * (scale_16 - 32) * (q - 4)): a bit mask of the third bits, the low two bits, 16
+// 6-bit scales in 12 bytes, d last. ggml stores q - 4 with the third bit set meaning +0, so code = low | bit << 2.
+template <>
+struct Traits<kQ3_K> : KScale16<4> {
+  static constexpr int64_t kBytes = 110;
+  static constexpr Codes kCodes = Codes::k3;
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    head[0] = u16_at(b + 108);
+    for (int j = 0; j < 16; ++j) {  // low nibbles: bytes 0..7, then their high nibbles; top two bits: bytes 8..11
+      const int low = j < 8 ? sc[j] & 15 : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+      per32[j] = static_cast<uint8_t>(static_cast<int8_t>((low | high << 4) - 32));
+    }
+    for (int e = 0; e < 256; ++e) {  // halves of 128; in each, element 32 s + l has bits 2s, 2s + 1 of qs[l]
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      codes[e] = static_cast<uint8_t>(((qs[32 * h + l] >> (2 * s)) & 3) | ((hmask[l] >> (4 * h + s)) & 1) << 2);
+    }
+  }
+};
+
+// Q6_K: 6-bit codes (weight = d * scale_16 * (q - 32)), an int8 scale per 16 elements, d last.
+template <>
+struct Traits<kQ6_K> : KScale16<32> {
+  static constexpr int64_t kBytes = 210;
+  static constexpr Codes kCodes = Codes::k6;
   static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
     head[0] = u16_at(b + 208);
     for (int j = 0; j < 16; ++j) per32[j] = b[192 + j];
@@ -287,11 +319,6 @@ struct Traits<kQ6_K> {
         q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
       }
     }
-  }
-  template <class V>
-  static void scales(const V* h, const V* f, V* ws, V* wo) {
-    ws[0] = h[0] * f[0], ws[1] = h[0] * f[1];
-    wo[0] = ws[0] * static_cast<float>(-kZero), wo[1] = ws[1] * static_cast<float>(-kZero);
   }
 };
 
@@ -321,7 +348,7 @@ struct Traits<kIQ4_XS> {
 // Every type the kernels read, in one list: adding a type is its Traits and one entry here (and its Python row).
 template <int64_t... Ts>
 struct TypeList {};
-using QuantTypes = TypeList<kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS>;
+using QuantTypes = TypeList<kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS>;
 
 template <int64_t T>
 struct TypeTag {
