@@ -89,10 +89,13 @@ inline void place_bit_plane(const uint8_t* codes, int bit, int64_t row, uint8_t*
 // 2t, 2t + 1 = element 4(4v + t) + b's.
 inline void place_bit_pairs(const uint8_t* codes, int bit, int64_t row, uint8_t* at) {
   for (int v = 0; v < 2; ++v) {
-    uint8_t pairs[4] = {0, 0, 0, 0};
-    for (int t = 0; t < 4; ++t)
-      for (int b = 0; b < 4; ++b) pairs[b] |= ((codes[4 * (4 * v + t) + b] >> bit) & 3) << (2 * t);
-    std::memcpy(at + 64 * v + 4 * row, pairs, 4);
+    uint32_t pairs = 0;  // byte b of each word: element 4(4v + t) + b
+    for (int t = 0; t < 4; ++t) {
+      uint32_t word;
+      std::memcpy(&word, codes + 4 * (4 * v + t), 4);
+      pairs |= ((word >> bit) & 0x03030303u) << (2 * t);
+    }
+    std::memcpy(at + 64 * v + 4 * row, &pairs, 4);
   }
 }
 

@@ -294,10 +294,12 @@ struct Traits<kQ3_K> : KScale16<4> {
       const int low = j < 8 ? sc[j] & 15 : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
       per32[j] = static_cast<uint8_t>(static_cast<int8_t>((low | high << 4) - 32));
     }
-    for (int e = 0; e < 256; ++e) {  // halves of 128; in each, element 32 s + l has bits 2s, 2s + 1 of qs[l]
-      const int h = e / 128, s = e % 128 / 32, l = e % 32;
-      codes[e] = static_cast<uint8_t>(((qs[32 * h + l] >> (2 * s)) & 3) | ((hmask[l] >> (4 * h + s)) & 1) << 2);
-    }
+    // halves h of 128; in each, element 32 s + l: bits 2s, 2s + 1 of qs[32 h + l], bit 4h + s of hmask[l]
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; l += 8)
+          store_u64(codes + 128 * h + 32 * s + l, ((load_u64(qs + 32 * h + l) >> (2 * s)) & 3 * kByteOnes) |
+                                                      ((load_u64(hmask + l) >> (4 * h + s)) & kByteOnes) << 2);
   }
 };
 
