@@ -11,7 +11,8 @@ Q4_K_M and Q3_K_M are typed tensor by tensor as llama.cpp's llama-quantize types
 - Q3_K_M: Q6_K for the head, Q5_K for attn_v of the first two layers and ffn_down of the first sixteenth, Q4_K for
   the other attn_v, ffn_down and every attn_output, Q3_K elsewhere;
 - both with llama-quantize's fallbacks where rows are not whole 256-blocks (Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
-  Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an output head -> Q8_0). A single-type file is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
+  Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an output head -> Q8_0).
+A single-type file is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
 The vocabulary of a shape (151,936 for Qwen2.5) pads the embedded tokenizer's with unused tokens: a real prompt
 never samples them, but every decode step reads their rows of the output head.
 """
@@ -75,9 +76,9 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
     elif file_type == "Q4_K_M" and name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
         t = "Q6_K"
     elif file_type == "Q3_K_M" and name in ("attn_v", "ffn_down", "attn_output"):
-        # attn_v counts its tensors, ffn_down its layers (the same here: one of each per layer)
-        first = layer < 2 if name == "attn_v" else name == "ffn_down" and layer < num_layers // 16
-        t = "Q5_K" if first else "Q4_K"
+        # Q5_K for attn_v's first two tensors and ffn_down's first sixteenth of layers (one of each per layer here)
+        more = (name == "attn_v" and layer < 2) or (name == "ffn_down" and layer < num_layers // 16)
+        t = "Q5_K" if more else "Q4_K"
     if t not in FLOAT_TYPES and cols % BY_NAME[t].block:
         t = FALLBACK.get(t, "F16")
         if cols % BY_NAME[t].block:
@@ -93,7 +94,7 @@ def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, st
         return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(rows, -1)
     nb = rows * cols // 256
     d = np.full((nb, 1), 0, np.float16)
-    if qtype == "Q3_K":  # hmask[32], qs[64], 16 6-bit scales (minus 32: spread ~18) in 12 bytes, fp16 d; codes ~2.3
+    if qtype == "Q3_K":  # hmask[32], qs[64], 16 6-bit scales (minus 32: spread ~18) in 12 bytes, fp16 d (codes ~2.3)
         d[:] = np.float16(std / (18 * 2.3))
         return np.concatenate([rng.integers(0, 256, (nb, 108), dtype=np.uint8), d.view(np.uint8)], 1).reshape(rows, -1)
     if qtype == "IQ4_XS":  # fp16 d, 8 6-bit scales (minus 32: spread ~18) in 2 + 4 bytes, 128 bytes of indices

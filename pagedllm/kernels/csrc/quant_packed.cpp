@@ -155,17 +155,24 @@ void pack_groups(const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
 }
 
 // ---- reading one row of a group (the portable path and row lookups) -------------------------------------------
+// Row i's bit of element e in place_bit_plane's masks at `at`, and its two bits in place_bit_pairs' vectors.
+inline int plane_bit_at(const uint8_t* at, int64_t i, int e) {
+  return (at[8 * (e / 4) + i / 2] >> (4 * (i % 2) + e % 4)) & 1;
+}
+
+inline int bit_pair_at(const uint8_t* at, int64_t i, int e) {
+  return (at[64 * (e / 16) + 4 * i + e % 4] >> (2 * ((e / 4) % 4))) & 3;
+}
+
 // Row i's stored code of element e (0..31) in a 32-block's codes.
 template <Codes C>
 inline int code_at(const uint8_t* blk, int64_t i, int e) {
   if constexpr (C == Codes::k8) return blk[lane_byte(e, i)];
-  if constexpr (C == Codes::k3)
-    return ((blk[64 * (e / 16) + 4 * i + e % 4] >> (2 * ((e / 4) % 4))) & 3) |
-           ((blk[128 + 8 * (e / 4) + i / 2] >> (4 * (i % 2) + e % 4)) & 1) << 2;
+  if constexpr (C == Codes::k3) return bit_pair_at(blk, i, e) | plane_bit_at(blk + 128, i, e) << 2;
   const uint8_t byte = blk[lane_byte(e % 16, i)];
   int q = e < 16 ? byte & 15 : byte >> 4;
-  if constexpr (C == Codes::k5) q |= ((blk[256 + 8 * (e / 4) + i / 2] >> (4 * (i % 2) + e % 4)) & 1) << 4;
-  if constexpr (C == Codes::k6) q |= ((blk[256 + 64 * (e / 16) + 4 * i + e % 4] >> (2 * ((e / 4) % 4))) & 3) << 4;
+  if constexpr (C == Codes::k5) q |= plane_bit_at(blk + 256, i, e) << 4;
+  if constexpr (C == Codes::k6) q |= bit_pair_at(blk + 256, i, e) << 4;
   return q;
 }
 
