@@ -41,7 +41,7 @@ PATHS = [
     ExecPath("q4_k-weights", torch.bfloat16, torch.bfloat16, weights="Q4_K", engine={"quantization": "auto"}),
     # the other types of real files, each on its packed 16-row form (a 37-row matrix stays unpacked)
     *(ExecPath(f"{t.lower()}-weights", torch.bfloat16, torch.bfloat16, weights=t, engine={"quantization": "auto"})
-      for t in ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")),
+      for t in ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")),
     # fp32 activations on quantized weights: the default ("auto") where the CPU lacks bf16 arithmetic. Their
     # engine path is "fp32" above (the embedded Q4_1 model runs as stored by default)
     *(ExecPath(f"{t.lower()}-weights-fp32", torch.float32, torch.float32, weights=t)

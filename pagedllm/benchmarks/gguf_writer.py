@@ -25,10 +25,10 @@ import numpy as np
 
 from pagedllm.quantization.types import BY_NAME, FLOAT_TYPES
 
-FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-              "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q4_K_M")
+FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+              "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q4_K_M")
 # types gguf.quants has no quantizer for: written as random well-formed blocks
-RANDOM_BLOCK_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+RANDOM_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ SHAPES = {
     "llama-3.2-3b": ModelShape("llama", 28, 3072, 8192, 24, 8, 128, **_LLAMA3),
 }
 # llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
-FALLBACK = {"Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 MIXES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K"}  # mixed file types and their default tensor type
 
 
@@ -94,6 +94,11 @@ def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, st
         return np.concatenate([d.view(np.uint8), rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(rows, -1)
     nb = rows * cols // 256
     d = np.full((nb, 1), 0, np.float16)
+    if qtype == "Q2_K":  # a byte per 16 (4-bit scale, 4-bit min), qs[64], fp16 d and dmin
+        d[:] = np.float16(std / (8 * 1.1))  # scales ~8, codes 0..3: std 1.1
+        dmin = (d.astype(np.float32) * 1.5).astype(np.float16)  # mins ~ scales: centre the codes' mean of 1.5
+        parts = [rng.integers(0, 256, (nb, 80), dtype=np.uint8), d.view(np.uint8), dmin.view(np.uint8)]
+        return np.concatenate(parts, 1).reshape(rows, -1)
     if qtype == "Q3_K":  # hmask[32], qs[64], 16 6-bit scales (minus 32: spread ~18) in 12 bytes, fp16 d (codes ~2.3)
         d[:] = np.float16(std / (18 * 2.3))
         return np.concatenate([rng.integers(0, 256, (nb, 108), dtype=np.uint8), d.view(np.uint8)], 1).reshape(rows, -1)

@@ -31,7 +31,7 @@ TYPES: tuple[GGMLType, ...] = (
     GGMLType("Q5_0", 6, 32, 22, True),
     GGMLType("Q5_1", 7, 32, 24, True),
     GGMLType("Q8_0", 8, 32, 34, True),
-    GGMLType("Q2_K", 10, 256, 84, False),
+    GGMLType("Q2_K", 10, 256, 84, True),
     GGMLType("Q3_K", 11, 256, 110, True),
     GGMLType("Q4_K", 12, 256, 144, True),
     GGMLType("Q5_K", 13, 256, 176, True),

@@ -28,7 +28,9 @@ namespace {
 inline float field_value(Field f, uint16_t raw) {
   switch (f) {
     case Field::kF16: return f16_to_f32(raw);
-    case Field::kU8: return static_cast<float>(raw);
+    case Field::kU8:
+    case Field::kLo4:
+    case Field::kHi4: return static_cast<float>(raw);  // decode gives each nibble on its own
     default: return static_cast<float>(static_cast<int8_t>(raw));
   }
 }

@@ -13,14 +13,17 @@
 //   k6: 2 vectors of 64 bytes, vector v lane i byte b bits 2t, 2t + 1 = the top bits of element 4(4v + t) + b;
 //   k8: instead of the plane, 8 vectors (vector s lane i = row i's elements 4s..4s+3 as u8);
 //   k3: instead of the plane, 2 vectors of 64 bytes laid out as k6's top bits (the low two bits), then 8 masks of
-//       64 bits laid out as k5's (the third bit).
+//       64 bits laid out as k5's (the third bit);
+//   k2: the 2 vectors of k3 alone.
 //
 // Activations: each row quantized to int8 per 32 elements (scale da = amax / 127, round half to even), with the
 // sum of its codes per 32 and per 16 (sa, sa_h) and dsa = da * sa. out[m, n] = sum over blocks, in order, of
 // (isum: the exact int32 dot of operands and codes)
 //   a float offset wo (kHasMin): acc = fma(float(isum), ws * da, acc); acc = fma(wo, dsa, acc)
 //   a fixed zero (the rest):     acc = fma(float(isum - kZero * sa), ws * da, acc)
-//   one scale per 16 (Q3_K, Q6_K): t = float(isum_0 - kZero * sa_0) * ws_0; t = fma(float(isum_1 - ...), ws_1, t);
+//   one scale per 16 (Q2_K, Q3_K, Q6_K): t = float(isum_0 - kZero * sa_0) * ws_0;
+//                                t = fma(float(isum_1 - kZero * sa_1), ws_1, t);
+//                                (kHasMin: t = fma(wo_0, float(sa_0), t); t = fma(wo_1, float(sa_1), t);)
 //                                acc = fma(t, da, acc)
 // (the zero is taken off in integers, exactly: one fma a block fewer than an offset in floats).
 // The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal (a test
@@ -55,13 +58,15 @@ struct Packed {
   static constexpr int kNumPer32 = sizeof(T::kPer32) / sizeof(Field);
   static constexpr int64_t kBlocks = T::kBlock / 32;
   static constexpr int64_t kCodeBytes = T::kCodes == Codes::k8 ? 512 : T::kCodes == Codes::k5 ? 320
-                                        : T::kCodes == Codes::k6 ? 384 : T::kCodes == Codes::k3 ? 192 : 256;
+                                        : T::kCodes == Codes::k6 ? 384 : T::kCodes == Codes::k3 ? 192
+                                        : T::kCodes == Codes::k2 ? 128 : 256;
   static constexpr int64_t head_offset(int f) {
     int64_t at = 0;
     for (int i = 0; i < f; ++i) at += kGroupRows * field_bytes(T::kHead[i]);
     return at;
   }
   static constexpr int64_t per32_offset(int f) {  // within a 32-block, after its codes
+    if (f < kNumPer32 && T::kPer32[f] == Field::kHi4) return per32_offset(f - 1);  // the kLo4 field's bytes
     int64_t at = kCodeBytes;
     for (int i = 0; i < f; ++i) at += kGroupRows * field_bytes(T::kPer32[i]);
     return at;
@@ -104,9 +109,9 @@ void place_codes(const uint8_t* codes, int64_t row, uint8_t* blk) {
   if constexpr (C == Codes::k8) {
     for (int s = 0; s < 8; ++s) std::memcpy(blk + 64 * s + 4 * row, codes + 4 * s, 4);
     return;
-  } else if constexpr (C == Codes::k3) {
+  } else if constexpr (C == Codes::k2 || C == Codes::k3) {
     place_bit_pairs(codes, 0, row, blk);
-    place_bit_plane(codes, 2, row, blk + 128);
+    if constexpr (C == Codes::k3) place_bit_plane(codes, 2, row, blk + 128);
   } else {
     uint8_t plane[16];
     for (int e = 0; e < 16; e += 8)
@@ -120,6 +125,8 @@ void place_codes(const uint8_t* codes, int64_t row, uint8_t* blk) {
 inline void put_field(Field f, uint8_t* at, int64_t row, uint16_t v) {
   if (f == Field::kF16)
     std::memcpy(at + 2 * row, &v, 2);
+  else if (f == Field::kLo4 || f == Field::kHi4)  // the unit was zeroed first
+    at[row] |= static_cast<uint8_t>((v & 15) << (f == Field::kHi4 ? 4 : 0));
   else
     at[row] = static_cast<uint8_t>(v);
 }
@@ -168,6 +175,7 @@ inline int bit_pair_at(const uint8_t* at, int64_t i, int e) {
 template <Codes C>
 inline int code_at(const uint8_t* blk, int64_t i, int e) {
   if constexpr (C == Codes::k8) return blk[lane_byte(e, i)];
+  if constexpr (C == Codes::k2) return bit_pair_at(blk, i, e);
   if constexpr (C == Codes::k3) return bit_pair_at(blk, i, e) | plane_bit_at(blk + 128, i, e) << 2;
   const uint8_t byte = blk[lane_byte(e % 16, i)];
   int q = e < 16 ? byte & 15 : byte >> 4;
@@ -180,6 +188,8 @@ inline float field_at(Field f, const uint8_t* at, int64_t i) {
   switch (f) {
     case Field::kF16: return f16_at(at + 2 * i);
     case Field::kU8: return static_cast<float>(at[i]);
+    case Field::kLo4: return static_cast<float>(at[i] & 15);
+    case Field::kHi4: return static_cast<float>(at[i] >> 4);
     default: return static_cast<float>(static_cast<int8_t>(at[i]));
   }
 }
@@ -283,6 +293,12 @@ inline __m512 field16(Field f, const uint8_t* p) {
   switch (f) {
     case Field::kF16: return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     case Field::kU8: return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    case Field::kLo4:
+    case Field::kHi4: {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_cvtepi32_ps(f == Field::kLo4 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15))
+                                                 : _mm512_srli_epi32(bytes, 4));
+    }
     default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 }
@@ -304,14 +320,14 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
   if constexpr (C == Codes::k8) {
     for (int s = 0; s < 8; ++s) c[s] = _mm512_loadu_si512(blk + 64 * s);
     return;
-  } else if constexpr (C == Codes::k3) {
+  } else if constexpr (C == Codes::k2 || C == Codes::k3) {
     const __m512i low2 = _mm512_set1_epi8(3);
     for (int v = 0; v < 2; ++v) {  // bits 2t, 2t + 1 of each byte to bits 0, 1 of code vector 4v + t
       const __m512i pairs = _mm512_loadu_si512(blk + 64 * v);
       c[4 * v] = _mm512_and_si512(pairs, low2);
       for (int t = 1; t < 4; ++t) c[4 * v + t] = _mm512_and_si512(_mm512_srli_epi16(pairs, 2 * t), low2);
     }
-    add_bit_plane(blk + 128, 4, c);  // codes < 4: + 4 sets bit 2
+    if constexpr (C == Codes::k3) add_bit_plane(blk + 128, 4, c);  // codes < 4: + 4 sets bit 2
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int j = 0; j < 4; ++j) {
@@ -344,6 +360,17 @@ inline __m512 scale_block(__m512i isum, __m512 ws, __m512 wo, const Acts& A, int
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ws, _mm512_set1_ps(A.d[b])), acc);
   if constexpr (T::kHasMin) acc = _mm512_fmadd_ps(wo, _mm512_set1_ps(A.ds[b]), acc);
   return acc;
+}
+
+// acc plus a 32-block's halves (types with a scale per 16): t, the halves' integer dots times their scales, plus
+// (kHasMin) each half's offset times its activation codes' sum, all times the activation scale.
+template <class T>
+inline __m512 scale_halves(__m512 t, const __m512* wo, const Acts& A, int64_t b, __m512 acc) {
+  if constexpr (T::kHasMin) {
+    t = _mm512_fmadd_ps(wo[0], _mm512_set1_ps(static_cast<float>(A.s16[2 * b])), t);
+    t = _mm512_fmadd_ps(wo[1], _mm512_set1_ps(static_cast<float>(A.s16[2 * b + 1])), t);
+  }
+  return _mm512_fmadd_ps(t, _mm512_set1_ps(A.d[b]), acc);
 }
 
 // Steps s0..s1 - 1 of a 32-block's dots against MR activation rows (step s: codes c[s], the rows' bytes 4s..4s+3),
@@ -384,9 +411,8 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) acc[j] = scale_block<T>(chain[j], ws[0], wo[0], A, b[j], acc[j]);
   } else if constexpr (T::kHalves == 2 && MR > 2) {
-    // Many rows, a scale per 16 (Q3_K, Q6_K): the same, one chain per row and half; the first half's scaled sum
-    // waits in t while the second half's chains run.
-    static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q3_K, Q6_K)");
+    // Many rows, a scale per 16 (Q2_K, Q3_K, Q6_K): the same, one chain per row and half; the first half's scaled
+    // sum waits in t while the second half's chains run.
     const int8_t* a[MR];
     int64_t b[MR];
     __m512 t[MR];
@@ -403,8 +429,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
         if (h == 0) {
           t[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(chain[j]), ws[0]);
         } else {
-          t[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[j]), ws[1], t[j]);
-          acc[j] = _mm512_fmadd_ps(t[j], _mm512_set1_ps(A.d[b[j]]), acc[j]);
+          acc[j] = scale_halves<T>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[j]), ws[1], t[j]), wo, A, b[j], acc[j]);
         }
       }
     }
@@ -433,10 +458,9 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
       if constexpr (T::kHalves == 1) {
         acc[j] = scale_block<T>(_mm512_add_epi32(part[0], part[1]), ws[0], wo[0], A, b, acc[j]);
       } else {
-        static_assert(!T::kHasMin, "two scales per 32 with a fixed zero only (Q3_K, Q6_K)");
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[1]), ws[1],
                                          _mm512_mul_ps(_mm512_cvtepi32_ps(part[0]), ws[0]));
-        acc[j] = _mm512_fmadd_ps(t, _mm512_set1_ps(A.d[b]), acc[j]);
+        acc[j] = scale_halves<T>(t, wo, A, b, acc[j]);
       }
     }
   }
@@ -509,7 +533,11 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
           if constexpr (T::kHasMin) acc = std::fma(wo[0], A.ds[b], acc);
         } else {
           const float t0 = static_cast<float>(part[0] - T::kZero * A.s16[2 * b]) * ws[0];
-          const float t = std::fma(static_cast<float>(part[1] - T::kZero * A.s16[2 * b + 1]), ws[1], t0);
+          float t = std::fma(static_cast<float>(part[1] - T::kZero * A.s16[2 * b + 1]), ws[1], t0);
+          if constexpr (T::kHasMin) {
+            t = std::fma(wo[0], static_cast<float>(A.s16[2 * b]), t);
+            t = std::fma(wo[1], static_cast<float>(A.s16[2 * b + 1]), t);
+          }
           acc = std::fma(t, A.d[b], acc);
         }
       }

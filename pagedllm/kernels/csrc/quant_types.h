@@ -27,12 +27,13 @@ namespace pagedllm {
 
 // ggml type ids (the GGUF file's).
 enum QType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 // How a code is stored in the packed form, and what the int8 dot's unsigned operand is.
 enum class Codes {
+  k2,    // 2 bits (operand = code)
   k3,    // 2 bits + a third bit in a separate bit plane (operand = code)
   k4,    // 4 bits (operand = code)
   k5,    // 4 bits + a fifth bit in a separate bit plane
@@ -41,9 +42,11 @@ enum class Codes {
   kNL4,  // a 4-bit index into kNonLinear4 (operand = kNonLinear4[code] + 128)
 };
 
-enum class Field : uint8_t { kF16, kU8, kS8 };
+// kLo4 / kHi4: two 4-bit fields in one byte, the low nibble's field listed first and the high one right after it
+// (the high one takes no bytes of its own).
+enum class Field : uint8_t { kF16, kU8, kS8, kLo4, kHi4 };
 
-constexpr int64_t field_bytes(Field f) { return f == Field::kF16 ? 2 : 1; }
+constexpr int64_t field_bytes(Field f) { return f == Field::kF16 ? 2 : f == Field::kHi4 ? 0 : 1; }
 
 // IQ4_NL / IQ4_XS: the 16 weight values a 4-bit index selects (before the block scale).
 constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -281,6 +284,38 @@ struct KScale16 {
   }
 };
 
+// Q2_K and Q3_K: the low two bits of each code, in halves of 128: element 32 s + l of half h is bits 2s, 2s + 1 of
+// qs[32 h + l].
+inline void k_bit_pairs(const uint8_t* qs, uint8_t* codes) {
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; l += 8)
+        store_u64(codes + 128 * h + 32 * s + l, (load_u64(qs + 32 * h + l) >> (2 * s)) & 3 * kByteOnes);
+}
+
+// Q2_K: 2-bit codes (weight = d * scale_16 * q - dmin * min_16): a byte per 16 elements (scale, min << 4), the
+// codes, then d and dmin.
+template <>
+struct Traits<kQ2_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 84, kHalves = 2;
+  static constexpr bool kHasMin = true;
+  static constexpr int kZero = 0;
+  static constexpr Codes kCodes = Codes::k2;
+  static constexpr Field kHead[] = {Field::kF16, Field::kF16};  // d, dmin
+  static constexpr int kNumHead = 2;
+  // the scale and min of elements 0..15, then of 16..31: the file's two bytes
+  static constexpr Field kPer32[] = {Field::kLo4, Field::kHi4, Field::kLo4, Field::kHi4};
+  static void decode(const uint8_t* b, uint8_t* codes, uint16_t* head, uint16_t* per32) {
+    head[0] = u16_at(b + 80), head[1] = u16_at(b + 82);
+    for (int j = 0; j < 16; ++j) per32[2 * j] = b[j] & 15, per32[2 * j + 1] = b[j] >> 4;
+    k_bit_pairs(b + 16, codes);
+  }
+  template <class V>
+  static void scales(const V* h, const V* f, V* ws, V* wo) {
+    ws[0] = h[0] * f[0], wo[0] = -(h[1] * f[1]), ws[1] = h[0] * f[2], wo[1] = -(h[1] * f[3]);
+  }
+};
+
 // Q3_K: 3-bit codes (weight = d * (scale_16 - 32) * (q - 4)): a bit mask of the third bits, the low two bits, 16
 // 6-bit scales in 12 bytes, d last. ggml stores q - 4 with the third bit set meaning +0, so code = low | bit << 2.
 template <>
@@ -294,12 +329,13 @@ struct Traits<kQ3_K> : KScale16<4> {
       const int low = j < 8 ? sc[j] & 15 : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
       per32[j] = static_cast<uint8_t>(static_cast<int8_t>((low | high << 4) - 32));
     }
-    // halves h of 128; in each, element 32 s + l: bits 2s, 2s + 1 of qs[32 h + l], bit 4h + s of hmask[l]
+    k_bit_pairs(qs, codes);  // then the third bit: element 32 s + l of half h has bit 4h + s of hmask[l]
     for (int h = 0; h < 2; ++h)
       for (int s = 0; s < 4; ++s)
-        for (int l = 0; l < 32; l += 8)
-          store_u64(codes + 128 * h + 32 * s + l, ((load_u64(qs + 32 * h + l) >> (2 * s)) & 3 * kByteOnes) |
-                                                      ((load_u64(hmask + l) >> (4 * h + s)) & kByteOnes) << 2);
+        for (int l = 0; l < 32; l += 8) {
+          uint8_t* c = codes + 128 * h + 32 * s + l;
+          store_u64(c, load_u64(c) | ((load_u64(hmask + l) >> (4 * h + s)) & kByteOnes) << 2);
+        }
   }
 };
 
@@ -350,7 +386,8 @@ struct Traits<kIQ4_XS> {
 // Every type the kernels read, in one list: adding a type is its Traits and one entry here (and its Python row).
 template <int64_t... Ts>
 struct TypeList {};
-using QuantTypes = TypeList<kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS>;
+using QuantTypes = TypeList<kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL,
+                            kIQ4_XS>;
 
 template <int64_t T>
 struct TypeTag {
