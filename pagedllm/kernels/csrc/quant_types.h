@@ -6,9 +6,9 @@
 //   kBlock, kBytes        the file's block: elements and bytes
 //   kCodes                how the packed form stores a weight's code (Codes below)
 //   kHead, kPer32         the scale fields of each block (kHead: once per file block; kPer32: per 32 elements),
-//                         as raw fp16 bits or bytes (Field)
-//   kHalves               scale groups per 32 elements: 1, or 2 where the type scales each 16 (Q6_K)
-//   kHasMin, kZero        the offset: a float one per block (kHasMin: weight = ws * operand + wo), or the
+//                         as raw fp16 bits, bytes or nibbles (Field)
+//   kHalves               scale groups per 32 elements: 1, or 2 where the type scales each 16 (Q2_K, Q3_K, Q6_K)
+//   kHasMin, kZero        the offset: a float one per block or half (kHasMin: weight = ws * operand + wo), or the
 //                         operand's fixed zero (weight = ws * (operand - kZero), so wo = -kZero * ws)
 //   decode(src, codes, head, per32)
 //                         one file block into its codes (element order) and raw fields
