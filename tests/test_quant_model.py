@@ -203,6 +203,12 @@ def test_q3_k_m_is_typed_as_llama_quantize_types_it():
     assert _mix("qwen2.5-1.5b", "Q3_K_M") == {"Q6_K": 1, "Q3_K": 112, "Q5_K": 3, "Q4_K": 81}
 
 
+def test_q5_k_m_is_typed_as_llama_quantize_types_it():
+    """Q5_K_M is Q4_K_M's mix with Q5_K for Q4_K: the counts llama-quantize (llama.cpp 0c1e570) wrote for the 0.5B
+    shape from an F16 file (Q5_K falls back to Q5_1 on 896-wide rows), every tensor the same type as make-model's."""
+    assert _mix("qwen2.5-0.5b", "Q5_K_M") == {"Q8_0": 13, "Q5_1": 132, "Q6_K": 12, "Q5_K": 12}
+
+
 def test_vocabulary_is_padded_to_the_shape(tmp_path):
     """A shape's vocabulary larger than the embedded tokenizer's: the token list is padded with unused tokens, and
     the model loads and runs on the file."""

@@ -5,9 +5,10 @@ F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The package has no K-quant or IQ4 quan
 written as random but well-formed blocks (random codes, sub-scales and mins, super-scales chosen so that the
 weights have about the same spread as the normals): for a random-weight model either is as good.
 
-Q4_K_M and Q3_K_M are typed tensor by tensor as llama.cpp's llama-quantize types them (`llama_tensor_get_type`):
-- Q4_K_M: Q6_K for the output head (or the tied embedding), for attn_v and ffn_down of the layers its
-  use_more_bits picks, Q4_K elsewhere;
+Q3_K_M, Q4_K_M and Q5_K_M are typed tensor by tensor as llama.cpp's llama-quantize types them
+(`llama_tensor_get_type`):
+- Q4_K_M and Q5_K_M: Q6_K for the output head (or the tied embedding), for attn_v and ffn_down of the layers its
+  use_more_bits picks, Q4_K / Q5_K elsewhere;
 - Q3_K_M: Q6_K for the head, Q5_K for attn_v of the first two layers and ffn_down of the first sixteenth, Q4_K for
   the other attn_v, ffn_down and every attn_output, Q3_K elsewhere;
 - both with llama-quantize's fallbacks where rows are not whole 256-blocks (Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
@@ -26,7 +27,7 @@ import numpy as np
 from pagedllm.quantization.types import BY_NAME, FLOAT_TYPES
 
 FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-              "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q4_K_M")
+              "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q4_K_M", "Q5_K_M")
 # types gguf.quants has no quantizer for: written as random well-formed blocks
 RANDOM_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
@@ -59,7 +60,7 @@ SHAPES = {
 }
 # llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
-MIXES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K"}  # mixed file types and their default tensor type
+MIXES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mixed file types and their default tensor type
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -73,7 +74,7 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
     t = MIXES.get(file_type, file_type)
     if file_type in MIXES and (name == "output" or (tied and name == "token_embd")):
         t = "Q8_0" if cols % 256 else "Q6_K"
-    elif file_type == "Q4_K_M" and name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
+    elif file_type in ("Q4_K_M", "Q5_K_M") and name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
         t = "Q6_K"
     elif file_type == "Q3_K_M" and name in ("attn_v", "ffn_down", "attn_output"):
         # Q5_K for attn_v's first two tensors and ffn_down's first sixteenth of layers (one of each per layer here)
