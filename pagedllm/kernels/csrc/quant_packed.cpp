@@ -219,6 +219,9 @@ struct Acts {
   std::unique_ptr<float[]> d, ds;  // [M, K / 32]: scale, scale x sum of codes
   std::unique_ptr<int32_t[]> s32;  // [M, K / 32]: sum of codes
   std::unique_ptr<int32_t[]> s16;  // [M, K / 16]: sum of the codes of each 16
+  // Row m's codes from element k, and the index of its 32-block there into d, ds and s32.
+  const int8_t* codes(int64_t m, int64_t k) const { return a.get() + m * K + k; }
+  int64_t block(int64_t m, int64_t k) const { return (m * K + k) / 32; }
 };
 
 // One 32-block: codes round(v * 127 / amax) (half to even); sums[h] = the sum of codes 16h..16h+15; *d = amax / 127.
@@ -403,8 +406,8 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
     int64_t b[MR];
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) {
-      a[j] = A.a.get() + (m0 + j) * A.K + k;
-      b[j] = ((m0 + j) * A.K + k) / 32;
+      a[j] = A.codes(m0 + j, k);
+      b[j] = A.block(m0 + j, k);
       chain[j] = _mm512_set1_epi32(T::kHasMin ? 0 : -T::kZero * A.s32[b[j]]);
     }
     interleaved_steps<MR>(chain, a, c, 0, 8);
@@ -417,7 +420,7 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
     int64_t b[MR];
     __m512 t[MR];
 #pragma GCC unroll 8
-    for (int j = 0; j < MR; ++j) a[j] = A.a.get() + (m0 + j) * A.K + k, b[j] = ((m0 + j) * A.K + k) / 32;
+    for (int j = 0; j < MR; ++j) a[j] = A.codes(m0 + j, k), b[j] = A.block(m0 + j, k);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       __m512i chain[MR];
@@ -439,8 +442,8 @@ inline void block_dots(const __m512i* c, const __m512* ws, const __m512* wo, con
     // A fixed zero starts each half's first chain at -kZero * (its codes' sum).
 #pragma GCC unroll 8
     for (int j = 0; j < MR; ++j) {
-      const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
-      const int64_t b = ((m0 + j) * A.K + k) / 32;
+      const int8_t* a = A.codes(m0 + j, k);
+      const int64_t b = A.block(m0 + j, k);
       int32_t start[2] = {0, 0};  // each half's first chain starts here (constants 0 fold away)
       if constexpr (!T::kHasMin && T::kHalves == 1) start[0] = -T::kZero * A.s32[b];
       if constexpr (!T::kHasMin && T::kHalves == 2)
@@ -523,10 +526,10 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
         float ws[T::kHalves], wo[T::kHalves];
         row_scales<T>(g, i, k, ws, wo);
         const uint8_t* blk = row_codes<T>(g, k);
-        const int8_t* a = A.a.get() + (m0 + j) * A.K + k;
+        const int8_t* a = A.codes(m0 + j, k);
         int32_t part[2] = {0, 0};
         for (int e = 0; e < 32; ++e) part[e / 16] += operand<T::kCodes>(code_at<T::kCodes>(blk, i, e)) * a[e];
-        const int64_t b = ((m0 + j) * A.K + k) / 32;
+        const int64_t b = A.block(m0 + j, k);
         if constexpr (T::kHalves == 1) {
           const int32_t isum = part[0] + part[1] - (T::kHasMin ? 0 : T::kZero * A.s32[b]);
           acc = std::fma(static_cast<float>(isum), ws[0] * A.d[b], acc);
