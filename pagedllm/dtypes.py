@@ -16,7 +16,7 @@ def auto_dtype(quantized: bool) -> str:
     """The faster compute dtype here. bf16 where the kernels compute in bf16 (avx512_bf16 / AMX). Without it bf16
     is emulated: dense weights still gain more from half the bytes than they lose, but weights run as stored read
     the same bytes either way and fp32 activations are faster (BENCHMARKS.md has the measurements)."""
-    from pagedllm.kernels.build import native_bf16
+    from pagedllm.kernels.library import native_bf16
 
     return "bfloat16" if native_bf16() or not quantized else "float32"
 

@@ -11,6 +11,9 @@ import torch
 # transformers or huggingface_hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The tests' default model is the 135M, where speed matters more than answers (this process and the servers and
+# CLIs it starts); tests of the real default name it (test_default_model.py).
+os.environ.setdefault("PAGEDLLM_DEFAULT_MODEL", "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

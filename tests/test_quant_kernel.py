@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pagedllm.benchmarks.gguf_writer import quantized
-from pagedllm.kernels.build import VARIANT_ENV, build_variant, cpu_flags
 from pagedllm.kernels.dispatch import kernel_op
+from pagedllm.kernels.variants import VARIANT_ENV, build_variant, cpu_flags
 from pagedllm.quantization.tensor import QuantTensor, kernel_available, pack_stacked, type_id
 from pagedllm.quantization.types import BY_NAME, KERNEL_TYPES
 

@@ -43,7 +43,7 @@ def engine(tmp_path_factory):
     # On this shared machine Ray's own memory monitor kills workers when the whole node passes 95% of its
     # memory, whoever uses it; the replicas here are small, so let only the kernel decide.
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-    from pagedllm.kernels.build import load_ops
+    from pagedllm.kernels.library import load_ops
 
     load_ops()  # build the C++ kernel here, once, rather than in two replicas at once
     ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,

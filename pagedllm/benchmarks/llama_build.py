@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from pagedllm.kernels.build import cpu_flags
+from pagedllm.kernels.variants import cpu_flags
 
 # GGML CMake option -> the /proc/cpuinfo flags it needs (all of them)
 GGML_ISA: dict[str, tuple[str, ...]] = {

@@ -26,7 +26,7 @@ BUFFER_BYTES = 1 << 30  # well past any last-level cache here
 @cache
 def limits(threads: int = common.DEFAULT_THREADS, buffer_bytes: int = BUFFER_BYTES, passes: int = 5) -> dict:
     """{"read_gb_s": ..., "int8_peak_gops": ...} with `threads` threads (cached per process)."""
-    from pagedllm.kernels.build import load_ops
+    from pagedllm.kernels.library import load_ops
 
     ops = load_ops()
     old = torch.get_num_threads()

@@ -54,7 +54,7 @@ def fingerprint_facts(engine: Any) -> dict:
     """Everything a KV block's bytes depend on: the model (its files, shape), how it computes (dtype, weights as
     stored or not, the kernels and whether batch-invariant), and how the pool stores K/V (dtype, block size, the
     KV-group layout). Two engines share entries exactly when these are equal."""
-    from pagedllm.kernels.build import build_variant
+    from pagedllm.kernels.variants import build_variant
 
     args, cfg, layout = engine.args, engine.model_config, engine.kv_groups
     try:

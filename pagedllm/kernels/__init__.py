@@ -8,7 +8,6 @@ a request's tokens do not depend on what it is batched with, how its prompt was 
 from the cache. The model runner runs each forward in the engine's KernelMode (EngineArgs.batch_invariant).
 """
 
-from pagedllm.kernels.build import build_variant, load_ops
 from pagedllm.kernels.dispatch import (
     DEFAULT_MODE,
     KernelMode,
@@ -20,7 +19,9 @@ from pagedllm.kernels.dispatch import (
     rounds_int8_queries,
     small_gemm_max_rows,
 )
+from pagedllm.kernels.library import load_ops
 from pagedllm.kernels.paged_attention import paged_attention, write_kv_int8
+from pagedllm.kernels.variants import build_variant
 
 __all__ = ["DEFAULT_MODE", "KernelMode", "build_variant", "capabilities", "current_mode", "forward_context",
            "kernel_mode", "kernel_op", "load_ops", "paged_attention", "rounds_int8_queries", "small_gemm_max_rows",

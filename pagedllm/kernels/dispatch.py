@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.kernels.build import load_ops
+from pagedllm.kernels.library import load_ops
 
 # Capabilities (keys of capabilities()): instruction sets the build was compiled for (1 or 0) and sizes.
 AVX512 = "avx512"            # the fp32 vector paths and the fused fp32 layer

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.kernels.build import load_ops
 from pagedllm.kernels.dispatch import KernelMode, current_mode
+from pagedllm.kernels.library import load_ops
 
 if TYPE_CHECKING:  # the kernels sit below attention/: the type only
     from pagedllm.attention.metadata import AttentionMetadata

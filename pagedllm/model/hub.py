@@ -1,16 +1,18 @@
-"""Model names as users give them: a path, None (the embedded default), or a Hugging Face hub id that is already
+"""Model names as users give them: a path, None (the default), an embedded model's name (embedded.py), or a Hugging Face hub id that is already
 in the local HF cache (no download is ever attempted)."""
 
 from __future__ import annotations
 
 import os
 
-from pagedllm.model.loader import default_model_path
+from pagedllm.model.embedded import EMBEDDED, default_model_path, embedded_model_path
 
 
 def resolve_model_path(model: str | None) -> str:
     if model is None:
         return default_model_path()
+    if model in EMBEDDED:
+        return embedded_model_path(model)
     path = os.path.expanduser(model)
     if os.path.exists(path) or model.count("/") != 1 or model.startswith((".", "/", "~")):
         return path  # a path (the loader reports a missing one)

