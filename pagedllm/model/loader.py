@@ -6,6 +6,7 @@ import contextlib
 import gc
 import glob
 import logging
+import math
 import os
 import re
 import time
@@ -126,15 +127,26 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention
     return model.eval()
 
 
-def _quantized_method(quantize_floats: bool):
-    """The quantized LinearMethod, or None (dense weights) where the kernel cannot be built here."""
+def _quantized_method(quantize_floats: bool, dense_bytes: int | None = None):
+    """The quantized LinearMethod, or None (dense weights) where the kernel cannot be built here. `dense_bytes`
+    (a GGUF file under "auto"): what its weights take dequantized to bf16; where the build has no VNNI (the int8
+    products run on the portable code, ~12x slower than dense bf16 on an AVX2 Zen 3) and they fit in half the
+    memory available, the weights are dequantized instead."""
+    from pagedllm.kernels.dispatch import VNNI, has
     from pagedllm.model.quantized_linear import QuantizedLinearMethod
     from pagedllm.quantization.tensor import kernel_available
 
-    if kernel_available():
-        return QuantizedLinearMethod(quantize_floats)
-    logger.warning("the quantized GEMM kernel is not available: weights are dequantized (quantization='none')")
-    return None
+    if not kernel_available():
+        logger.warning("the quantized GEMM kernel is not available: weights are dequantized (quantization='none')")
+        return None
+    if dense_bytes is not None and not has(VNNI):
+        import psutil
+
+        if dense_bytes < psutil.virtual_memory().available // 2:
+            logger.warning("this CPU's kernels have no VNNI int8 products: the weights are dequantized "
+                           "(%.1f GB in bf16), faster here than as stored", dense_bytes / 1e9)
+            return None
+    return QuantizedLinearMethod(quantize_floats)
 
 
 def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_tokenizer: bool,
@@ -165,7 +177,8 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
         cfg = config_from_gguf(f)
         sampling = gguf_sampling_defaults(f)
         table = registry.spec(cfg.architecture).gguf_names
-        method = _quantized_method(quantize_floats=False) if quantization != "none" else None
+        dense_bytes = 2 * sum(math.prod(t.shape) for t in f.tensors.values())
+        method = _quantized_method(quantize_floats=False, dense_bytes=dense_bytes) if quantization != "none" else None
         tdtype = resolve_dtype(dtype, quantized=method is not None)
         # the tokenizer before the weights: parsing a large vocabulary's tokenizer.json peaks at several times what
         # it keeps (model/tokenizer.py), and that peak should not sit on top of the weights
