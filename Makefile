@@ -45,7 +45,8 @@ VARIANT_TESTS := tests/test_attention_kernel.py tests/test_quant_kernel.py tests
 test-variants: install
 	for v in avx2 portable; do \
 		PAGEDLLM_KERNEL_VARIANT=$$v $(PYTEST) -q -m "not slow" $(VARIANT_TESTS) || exit 1; \
-		PAGEDLLM_KERNEL_VARIANT=$$v $(VENV)/bin/pagedllm generate --chat "Hi" --max-tokens 8 || exit 1; \
+		PAGEDLLM_KERNEL_VARIANT=$$v PAGEDLLM_DEFAULT_MODEL=smollm2-135m-instruct $(VENV)/bin/pagedllm generate \
+			--chat "Hi" --max-tokens 8 || exit 1; \
 	done
 
 # A built wheel carries the kernels: installed into a fresh venv (the dependencies from .venv, read through a .pth

@@ -1,4 +1,4 @@
-"""Models on GGUF weights run as stored (quantization="auto") against the same file dequantized ("none", the
+"""Models on GGUF weights run as stored (quantization="gguf"; "auto" where the kernels have VNNI) against the same file dequantized ("none", the
 oracle), on tiny random-weight files of every type; memory stays the file's; the int8 mode on HF checkpoints."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_logits_close_to_dequantized(gguf_dir, file_type, arch):
     if arch == "qwen2" and file_type not in ("Q4_0", "Q4_K_M"):
         pytest.skip("qwen2 (biases, tied head) on two types is enough")
     path = _file(gguf_dir, file_type, arch)
-    quant, oracle = _load(path, "auto"), _load(path, "none")
+    quant, oracle = _load(path, "gguf"), _load(path, "none")
     layer = quant.model.layers[0].attn.qkv
     assert isinstance(layer.method, QuantizedLinearMethod) and all(isinstance(s, QuantTensor) for s in layer.segments)
     tokens = [int(t) for t in torch.randint(0, 320, (21,), generator=torch.Generator().manual_seed(5))]
@@ -61,7 +61,7 @@ def test_logits_close_to_dequantized(gguf_dir, file_type, arch):
 
 def test_bf16_model_runs_quantized(gguf_dir):
     path = _file(gguf_dir, "Q4_0")
-    quant, oracle = _load(path, "auto", "bfloat16"), _load(path, "none", "float32")
+    quant, oracle = _load(path, "gguf", "bfloat16"), _load(path, "none", "float32")
     tokens = list(range(3, 40))
     got, want = _prefill_logits(quant, tokens, torch.bfloat16), _prefill_logits(oracle, tokens)
     assert float((got - want).abs().max() / want.abs().max()) < 0.06
@@ -72,7 +72,7 @@ def test_resident_weights_are_the_files(gguf_dir):
     import os
 
     path = _file(gguf_dir, "Q4_K_M")
-    quant = _load(path, "auto")
+    quant = _load(path, "gguf")
     linear_bytes = sum(weight_bytes(m) for m in quant.model.modules() if isinstance(m, Linear))
     embed = quant.model.embed
     assert isinstance(embed, QuantTensor)
@@ -82,7 +82,7 @@ def test_resident_weights_are_the_files(gguf_dir):
 
 def test_float_files_stay_dense(gguf_dir):
     path = _file(gguf_dir, "F16")
-    quant = _load(path, "auto")
+    quant = _load(path, "gguf")
     assert all(isinstance(s, torch.Tensor) for s in quant.model.layers[0].mlp.gate_up.segments)
     tokens = list(range(5, 30))
     torch.testing.assert_close(_prefill_logits(quant, tokens), _prefill_logits(_load(path, "none"), tokens))
@@ -116,7 +116,7 @@ def test_fused_layer_matches_torch_layers(gguf_dir, dtype):
     if dispatch.kernel_class("DecoderStack") is None:
         pytest.skip("no AVX-512 fused layer on this build")
     path = _file(gguf_dir, "Q4_K_M")
-    m = load_model(path, dtype, attention_backend="cpu", load_tokenizer=False, quantization="auto")
+    m = load_model(path, dtype, attention_backend="cpu", load_tokenizer=False, quantization="gguf")
     assert any(lin.method.segmented for lin in m.model.layers[0].linears())
     tokens = list(range(11, 40))
     with kernel_mode(invariant=dtype == torch.float32):  # the fp32 layer also runs batch-invariant; the bf16 one does not
@@ -140,7 +140,7 @@ def test_fused_stack_in_runs_of_layers_is_the_same_as_in_one_call(gguf_dir):
     if dispatch.kernel_class("DecoderStack") is None:
         pytest.skip("no AVX-512 fused layer on this build")
     m = load_model(_file(gguf_dir, "Q4_K_M", "qwen2"), torch.float32, attention_backend="cpu", load_tokenizer=False,
-                   quantization="auto")
+                   quantization="gguf")
     n = len(m.model.layers)
     g = torch.Generator().manual_seed(17)
     tokens = torch.randint(0, 320, (19,), generator=g)
@@ -223,5 +223,5 @@ def test_vocabulary_is_padded_to_the_shape(tmp_path):
     assert len(tokens) == vocab and tokens[-1] == f"<|unused_{vocab - 1}|>"
     f = read_gguf(path)
     assert f.tensors["token_embd.weight"].shape == (vocab, 256)
-    loaded = _load(path, "auto")
+    loaded = _load(path, "gguf")
     assert _prefill_logits(loaded, [1, 2, 3]).shape == (3, vocab)

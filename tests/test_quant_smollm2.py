@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernel_available(), reaso
 
 @pytest.fixture(scope="module")
 def models():
-    quant = load_model(None, "float32", attention_backend="reference", quantization="auto")
+    quant = load_model(None, "float32", attention_backend="reference", quantization="gguf")
     oracle = load_model(None, "float32", attention_backend="reference", quantization="none")
     assert isinstance(quant.model.embed, QuantTensor)
     return quant, oracle

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from pagedllm.dtypes import DTYPES
+from pagedllm.quantization import QUANTIZATION
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
@@ -92,8 +93,9 @@ class EngineArgs:
         parse_bytes(self.kv_cache_memory)
         if self.kv_disk_cache_size is not None and parse_bytes(self.kv_disk_cache_size, "kv_disk_cache_size") < 1:
             raise ValueError(f"kv_disk_cache_size must be >= 1 byte, got {self.kv_disk_cache_size!r}")
-        if self.quantization not in ("auto", "none", "int8"):
-            raise ValueError(f"quantization must be 'auto', 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION:
+            raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATION))}, "
+                             f"got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -145,8 +147,9 @@ class EngineArgs:
                             "(--no-hybrid-kv-cache: keep every block of every layer)")
         g.add_argument("--attention-backend", default=d.attention_backend,
                        help="auto, reference (the pure-torch oracle) or a kernel name")
-        g.add_argument("--quantization", default=d.quantization, choices=["auto", "none", "int8"],
-                       help="auto: GGUF weights run as stored; none: dequantize; int8: HF weights in int8 blocks")
+        g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION,
+                       help="auto: GGUF weights as stored where the CPU has VNNI (else dequantized where they fit); "
+                            "gguf: as stored on every CPU; none: dequantize; int8: HF weights in int8 blocks")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
                        help="auto: the KV cache in the compute dtype; int8: int8 K/V with a scale per token and "
                             "KV head (about half the bytes of bf16, twice the blocks)")

@@ -25,6 +25,7 @@ from pagedllm.model.embedded import default_model_path
 from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.gguf_reader import open_regular_file
 from pagedllm.model.weight_loading import load_weights
+from pagedllm.quantization import QUANTIZATION
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,14 @@ def gguf_model_name(path: str) -> str:
     return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|BF16|F32)$", "", stem, flags=re.IGNORECASE) or stem
 
 
-QUANTIZATION = ("auto", "none", "int8")
+
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "float32",
                attention_backend: str = "auto", load_tokenizer: bool = True,
                quantization: str = "auto") -> LoadedModel:
-    """quantization: "auto" runs GGUF block formats as stored (HF checkpoints as stored, i.e. dense), "none"
+    """quantization: "auto" runs GGUF block formats as stored where the kernels have VNNI ("gguf": on every CPU;
+    HF checkpoints as stored, i.e. dense), "none"
     dequantizes everything to `dtype` (the oracle), "int8" quantizes HF float weights to int8 blocks at load."""
     if quantization not in QUANTIZATION:
         raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATION))}, got {quantization!r}")
@@ -178,7 +180,8 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
         sampling = gguf_sampling_defaults(f)
         table = registry.spec(cfg.architecture).gguf_names
         dense_bytes = 2 * sum(math.prod(t.shape) for t in f.tensors.values())
-        method = _quantized_method(quantize_floats=False, dense_bytes=dense_bytes) if quantization != "none" else None
+        method = (None if quantization == "none" else
+                  _quantized_method(quantize_floats=False, dense_bytes=dense_bytes if quantization == "auto" else None))
         tdtype = resolve_dtype(dtype, quantized=method is not None)
         # the tokenizer before the weights: parsing a large vocabulary's tokenizer.json peaks at several times what
         # it keeps (model/tokenizer.py), and that peak should not sit on top of the weights
