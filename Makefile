@@ -60,7 +60,7 @@ test-wheel: install
 	$(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
 		> $$($(WHEEL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/deps.pth
 	$(WHEEL_VENV)/bin/python -m pip install -q --no-deps dist/pagedllm-*.whl
-	cd /tmp && env -i HOME=$$HOME PATH=$(CURDIR)/$(WHEEL_VENV)/bin OMP_NUM_THREADS=2 sh -c '! command -v c++ && \
+	cd /tmp && env -i HOME=$$HOME PATH=$(CURDIR)/$(WHEEL_VENV)/bin /bin/sh -c '! command -v c++ && \
 		! command -v cc && ! command -v gcc' >/dev/null
 	cd /tmp && env -i HOME=$$HOME PATH=$(CURDIR)/$(WHEEL_VENV)/bin HF_HUB_OFFLINE=1 \
 		$(CURDIR)/$(WHEEL_VENV)/bin/python -c "import pagedllm, sys; \
