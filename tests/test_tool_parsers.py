@@ -46,6 +46,20 @@ CASES = [
     ("hermes", '<tool_call>{"name": "get_time"}</tool_call>', [("call", "{}", "get_time", True)]),
     ("hermes", "Plain text with <b>tags</b>, a < sign and a trailing space ",
      [("text", "Plain text with <b>tags</b>, a < sign and a trailing space ", "", True)]),
+    # untagged, as small models write them: a whole-message object or a ```json fence, of an offered tool with
+    # arguments valid against its schema; any other JSON is text
+    ("hermes", f'{{"name": "get_weather", "arguments": {W}}}', [("call", W, "get_weather", True)]),
+    ("hermes", f'```json\n{{"name": "get_time", "arguments": {T}}}\n```\n', [("call", T, "get_time", True)]),
+    ("hermes", ' ```\n{"name": "get_time", "parameters": "{\\"zone\\": \\"CET\\"}"}```',
+     [("call", T, "get_time", True)]),
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris", "days": "three"}}',
+     [("text", '{"name": "get_weather", "arguments": {"city": "Paris", "days": "three"}}', "", True)]),
+    ("hermes", '{"name": "send_mail", "arguments": {}}', [("text", '{"name": "send_mail", "arguments": {}}', "", True)]),
+    ("hermes", '```json\n{"city": "Paris"}\n```', [("text", '```json\n{"city": "Paris"}\n```', "", True)]),
+    ("hermes", '```python\nprint({"name": "get_time"})\n```',
+     [("text", '```python\nprint({"name": "get_time"})\n```', "", True)]),
+    ("hermes", f'Here: {{"name": "get_time", "arguments": {T}}}',
+     [("text", f'Here: {{"name": "get_time", "arguments": {T}}}', "", True)]),
     ("llama3_json", f'{{"name": "get_weather", "parameters": {W}}}', [("call", W, "get_weather", True)]),
     ("llama3_json", f'<|python_tag|>{{"name": "get_time", "parameters": {T}}}; '
                     f'{{"name": "get_weather", "parameters": {W}}}',
@@ -122,7 +136,7 @@ def test_calls_get_ids_and_arguments_parse():
     ids = [s.call_id for s in segs if s.kind == "call"]
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
     assert [json.loads(s.text) for s in segs if s.kind == "call"] == [json.loads(W), json.loads(T)]
-    mistral = parse_final(OutputParser(tools=make_tool_parser("mistral", TOOLS)), CASES[16][1])
+    mistral = parse_final(OutputParser(tools=make_tool_parser("mistral", TOOLS)), CASES[24][1])
     assert all(len(s.call_id) == 9 and s.call_id.isalnum() for s in mistral)
 
 
