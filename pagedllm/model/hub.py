@@ -1,5 +1,5 @@
-"""Model names as users give them: a path, None (the default), an embedded model's name (embedded.py), or a Hugging Face hub id that is already
-in the local HF cache (no download is ever attempted)."""
+"""Model names as users give them: a path, None (the default), an embedded model's name (embedded.py), or a
+Hugging Face hub id that is already in the local HF cache (no download is ever attempted)."""
 
 from __future__ import annotations
 
