@@ -48,7 +48,17 @@ def _llm(a: argparse.Namespace):
 
     args = EngineArgs.from_cli_args(a)
     kwargs = {k: v for k, v in vars(args).items() if k != "model"}
-    return LLM(args.model, **kwargs)
+    # a start takes seconds (a first one also assembles the default model): at a terminal, say what it is doing
+    # (a script reading stderr gets errors alone, one line each)
+    progress = sys.stderr.isatty()
+    if progress:
+        print(f"pagedllm: loading {args.model or 'the default model'}...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **kwargs)
+    if progress:
+        print(f"pagedllm: loaded {llm.engine.model_name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
+    return llm
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
