@@ -24,8 +24,8 @@ class BuildVariants(BuildExtension):
     """BuildExtension with one object directory per variant, build/kernels/<variant> in this tree (every variant
     compiles the same sources, whose objects would otherwise overwrite each other's; kept between builds, so that
     `pip install -e .` after an edit of csrc/ recompiles only what changed, and `pip wheel .` after it only
-    packs), and only the compiler flags a first-use build has: Python's own CFLAGS add -g (minutes more compiling,
-    a library ten times the size), -DNDEBUG and -fwrapv."""
+    packs), and only the compiler flags a first-use build has: Python's own CFLAGS add -g (debug information: more
+    compiling, a larger library), -DNDEBUG and -fwrapv."""
 
     def build_extensions(self) -> None:
         self.compiler.set_executable("compiler_so", [self.compiler.compiler_so[0], "-fPIC"])
