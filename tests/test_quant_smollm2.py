@@ -12,7 +12,7 @@ from pagedllm.kernels.dispatch import VNNI, has
 from pagedllm.model import load_model
 from pagedllm.quantization.tensor import QuantTensor, kernel_available
 
-# Without VNNI the int8 products run on the portable code: 7.5 minutes for this file on an AVX2 Zen 3, where
+# Without VNNI the int8 products run on the portable code: minutes for this file on an AVX2 CPU, where
 # "auto" does not run files as stored anyway. The portable path is held to the VNNI path bit for bit
 # (test_quant_kernel.py) and to the dequantized model on every type (test_quant_model.py).
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not kernel_available(), reason="no C++ kernels"),

@@ -132,8 +132,8 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention
 def _quantized_method(quantize_floats: bool, dense_bytes: int | None = None):
     """The quantized LinearMethod, or None (dense weights) where the kernel cannot be built here. `dense_bytes`
     (a GGUF file under "auto"): what its weights take dequantized to bf16; where the build has no VNNI (the int8
-    products run on the portable code, ~15x slower than dense bf16 on an AVX2 Zen 3) and they fit in half the
-    memory available, the weights are dequantized instead."""
+    products run on the portable code, far slower there than dense bf16: README, Quantized weights) and they fit
+    in half the memory available, the weights are dequantized instead."""
     from pagedllm.kernels.dispatch import VNNI, has
     from pagedllm.model.quantized_linear import QuantizedLinearMethod
     from pagedllm.quantization.tensor import kernel_available
