@@ -94,12 +94,18 @@ def _assemble(model: PackagedModel, target: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
+def _stamp(model: PackagedModel, path: Path) -> tuple[Path, str]:
+    """Where the checked sha256 is remembered beside the file, and what it says (the hash and the file's mtime:
+    a file rewritten since is checked again)."""
+    return path.with_name(path.name + ".sha256"), f"{model.sha256} {path.stat().st_mtime_ns}"
+
+
 def _verified(model: PackagedModel, path: Path) -> bool:
     """Whether `path` is the model's file: its size, and its sha256 once (then remembered beside it)."""
     if path.stat().st_size != model.size:
         return False
-    stamp = path.with_name(path.name + ".sha256")
-    if stamp.exists() and stamp.read_text().strip() == f"{model.sha256} {path.stat().st_mtime_ns}":
+    stamp, says = _stamp(model, path)
+    if stamp.exists() and stamp.read_text().strip() == says:
         return True
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -107,7 +113,7 @@ def _verified(model: PackagedModel, path: Path) -> bool:
             digest.update(chunk)
     if digest.hexdigest() != model.sha256:
         return False
-    stamp.write_text(f"{model.sha256} {path.stat().st_mtime_ns}\n")
+    stamp.write_text(says + "\n")
     return True
 
 
@@ -129,8 +135,9 @@ def embedded_model_path(name: str) -> str:
         return str(path)
     if path.exists():
         logger.warning("%s is not the file its packages make (size or sha256): assembling it again", path)
-    _assemble(model, path)
-    path.with_name(path.name + ".sha256").write_text(f"{model.sha256} {path.stat().st_mtime_ns}\n")
+    _assemble(model, path)  # checked its sha256 as it wrote the file
+    stamp, says = _stamp(model, path)
+    stamp.write_text(says + "\n")
     return str(path)
 
 
