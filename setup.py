@@ -49,7 +49,7 @@ def extensions() -> list[CppExtension]:
     for built in variants.CSRC.parent.glob(variants.LIBRARY_PREFIX + "*"):
         if built.name.split(".", 1)[0] not in current:
             built.unlink()
-    sources = [str(p.relative_to(ROOT)) for p in sorted(variants.CSRC.glob("*.cpp"))]
+    sources = [str(p.relative_to(ROOT)) for p in variants.cpp_sources()]
     return [CppExtension(f"pagedllm.kernels.{variants.library_stem(name)}", sources,
                          extra_compile_args=[*variants.CXX_FLAGS, *variants.isa_flags(name)],
                          extra_link_args=variants.LD_FLAGS, py_limited_api=False)

@@ -17,7 +17,15 @@ import tempfile
 from pathlib import Path
 
 from pagedllm.kernels.build_lock import build_lock
-from pagedllm.kernels.variants import CSRC, CXX_FLAGS, LD_FLAGS, isa_flags, source_digest
+from pagedllm.kernels.variants import (
+    BUILD_ENV,
+    CSRC,
+    CXX_FLAGS,
+    LD_FLAGS,
+    cpp_sources,
+    isa_flags,
+    source_digest,
+)
 from pagedllm.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -45,8 +53,8 @@ def first_use_build(variant: str) -> Path:
         # we hold the only lock that builds here: a torch lock file left in the directory is a dead builder's
         (build_dir / "lock").unlink(missing_ok=True)
         logger.warning("%s=1: building the C++ kernels (%s) from %s in %s (minutes on a small machine; ninja "
-                       "skips what is up to date)", "PAGEDLLM_BUILD_KERNELS", variant, CSRC, build_dir)
-        cpp_extension.load(name=name, sources=[str(p) for p in sorted(CSRC.glob("*.cpp"))],
+                       "skips what is up to date)", BUILD_ENV, variant, CSRC, build_dir)
+        cpp_extension.load(name=name, sources=[str(p) for p in cpp_sources()],
                            build_directory=str(build_dir), is_python_module=False,
                            extra_cflags=[*CXX_FLAGS, *isa_flags(variant)], extra_ldflags=LD_FLAGS, verbose=False)
     return library

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.kernels.variants import (
+    BUILD_ENV,
     INSTALL_VARIANTS_ENV,
     LIBRARY_PREFIX,
     VARIANT_ENV,
@@ -31,7 +32,6 @@ from pagedllm.kernels.variants import (
 logger = logging.getLogger(__name__)
 
 LIBRARY_DIR = Path(__file__).parent
-BUILD_ENV = "PAGEDLLM_BUILD_KERNELS"
 _lock = threading.Lock()
 _ops = None
 _load_error: Exception | None = None

@@ -15,6 +15,7 @@ CSRC = Path(__file__).parent / "csrc"
 LIBRARY_PREFIX = "_pagedllm_cpu_"  # the built extensions: pagedllm/kernels/_pagedllm_cpu_*.<suffix> (library_stem)
 VARIANT_ENV = "PAGEDLLM_KERNEL_VARIANT"  # run time: force a lesser variant (how avx2 and portable are tested)
 INSTALL_VARIANTS_ENV = "PAGEDLLM_KERNEL_VARIANTS"  # install time: which variants to build ("all" or a list)
+BUILD_ENV = "PAGEDLLM_BUILD_KERNELS"  # run time: build a missing or stale variant at first use (first_use_build.py)
 
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 _AVX512_ISA = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
@@ -88,9 +89,14 @@ def install_variants(flags: set[str], requested: str | None) -> list[str]:
     return list(dict.fromkeys([can[0], *(n for n in ("avx2", "portable") if n in can)]))
 
 
+def cpp_sources() -> list[Path]:
+    """The extension's translation units, in a fixed order."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
 def source_files() -> list[Path]:
     """The extension's sources and headers, in a fixed order."""
-    return sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    return cpp_sources() + sorted(CSRC.glob("*.h"))
 
 
 def source_digest(name: str) -> str:
