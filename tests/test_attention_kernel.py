@@ -237,9 +237,8 @@ def test_build_variant_flags():
 def test_flex_paged_block_mask_eager():
     """The FlexAttention candidate (kept for the benchmark): its paged block mask gives the reference result.
     Eager flex on a tiny pool (the compiled path is exercised by `pagedllm bench kernel --flex`)."""
+    from pagedllm_bench.flex import paged_block_mask
     from torch.nn.attention.flex_attention import flex_attention
-
-    from pagedllm.benchmarks.flex import paged_block_mask
 
     gen = torch.Generator().manual_seed(11)
     lens = [13, 40, 8, 25]
@@ -287,7 +286,7 @@ def test_random_mixed_batches(seed):
 
 def test_kernel_benchmark_smoke(capsys):
     """`pagedllm bench kernel` runs end to end on a tiny shape (its own checks compare every method to SDPA)."""
-    from pagedllm.benchmarks import kernel as bench
+    from pagedllm_bench import kernel as bench
 
     assert bench.main(["--num-requests", "2", "--context-len", "40", "--repeats", "1", "--block-size", "8",
                        "--bandwidth-mib", "8"]) == 0

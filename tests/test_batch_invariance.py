@@ -78,9 +78,9 @@ def _path_linear(path: ExecPath, n: int, k: int, gen: torch.Generator):
     """This path's linear (random weights [n, k]) as a function of x, and the weight it multiplies by."""
     import numpy as np
 
-    from pagedllm.benchmarks.gguf_writer import quantized
     from pagedllm.model.layers import linear
     from pagedllm.quantization.tensor import QuantTensor, type_id
+    from pagedllm.testing.gguf_writer import quantized
 
     if path.weights != "dense":
         raw = quantized(np.random.default_rng(k + n), n, k, path.weights, 0.05)

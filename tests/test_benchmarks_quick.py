@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import pytest
-
-from pagedllm.benchmarks import beam, common, memory, throughput
+from pagedllm_bench import beam, common, memory, throughput
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +21,9 @@ def _offline(monkeypatch):
 
 
 def test_benchmarks_quick(tmp_path):
-    seed = int.from_bytes(os.urandom(2), "little")  # fresh inputs every run
+    from tiny_models import fresh_seed
+
+    seed = fresh_seed()  # fresh inputs every run ($PAGEDLLM_TEST_SEED to rerun one)
     common.set_threads(2)
     wl = common.offline_workload(5, prompt_len=(20, 60), output_len=(3, 6), seed=seed)
     normal = set(common.normal_token_ids().tolist())
@@ -70,9 +70,9 @@ def test_benchmarks_quick(tmp_path):
 def test_memory_hybrid_on_a_tiny_sliding_window_model(tmp_path):
     """bench memory --hybrid on tiny Gemma 3 (window 16, blocks of 4): the block counts are exact, so check them:
     decoding, the sliding groups hold a window each; the same KV bytes admit more requests at once."""
+    from pagedllm_bench import memory_hybrid
     from tiny_models import make_tiny_model
 
-    from pagedllm.benchmarks import memory_hybrid
     from pagedllm.core.kv_groups import window_blocks
 
     path = make_tiny_model(tmp_path / "gemma3", "gemma3", seed=1)
@@ -93,8 +93,9 @@ def test_memory_hybrid_on_a_tiny_sliding_window_model(tmp_path):
 def test_roofline_counts_what_a_token_reads_and_multiplies(tmp_path, tied):
     """bench realistic's roofline: a decode token reads the layer matrices and the head (the embedding where the
     file ties them, never a separate embedding table); a prompt token multiplies by the layer matrices only."""
-    from pagedllm.benchmarks.gguf_writer import tiny_shape, write_random_gguf
-    from pagedllm.benchmarks.realistic import weights_per_token
+    from pagedllm_bench.realistic import weights_per_token
+
+    from pagedllm.testing.gguf_writer import tiny_shape, write_random_gguf
 
     shape = tiny_shape("llama", tied=tied)
     path = str(tmp_path / "m.gguf")
@@ -110,8 +111,9 @@ def test_roofline_counts_what_a_token_reads_and_multiplies(tmp_path, tied):
 def test_realistic_single_phase_runs_on_a_tiny_gguf(tmp_path):
     """bench realistic's single-stream process for pagedllm (the peers never run here): every figure is there
     and positive; decode deep in the context is timed from the request's own token times."""
-    from pagedllm.benchmarks.gguf_writer import tiny_shape, write_random_gguf
-    from pagedllm.benchmarks.realistic import _workloads, run_single
+    from pagedllm_bench.realistic import _workloads, run_single
+
+    from pagedllm.testing.gguf_writer import tiny_shape, write_random_gguf
 
     path = str(tmp_path / "m.gguf")
     write_random_gguf(path, tiny_shape("llama", tied=True, vocab=49152), "Q8_0", seed=2)
@@ -126,12 +128,13 @@ def test_realistic_context_blocks_hold_one_full_context(tmp_path):
     """bench realistic gives pagedllm the blocks one request of the context's length needs (llama.cpp's n_ctx),
     and not one more: 2048 / 16 for a plain model; each of Gemma 3's KV groups its share (it failed there with
     2048 / 16 blocks for six groups)."""
-    from pagedllm.benchmarks.gguf_writer import tiny_shape, write_random_gguf
-    from pagedllm.benchmarks.realistic import _context_blocks
+    from pagedllm_bench.realistic import _context_blocks
+
     from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
     from pagedllm.core.kv_groups import plan_kv_groups
     from pagedllm.model.gguf_config import config_from_gguf
     from pagedllm.model.gguf_reader import read_gguf
+    from pagedllm.testing.gguf_writer import tiny_shape, write_random_gguf
 
     tiny = str(tmp_path / "m.gguf")
     write_random_gguf(tiny, tiny_shape("llama"), "Q8_0", seed=3, tokenizer_from=None)

@@ -211,9 +211,9 @@ def test_hash_request_blocks_full_blocks_only_and_prefix_dependent():
 
 def test_blocks_benchmark_runs(capsys):
     """`pagedllm bench blocks` stays runnable: a tiny run prints the table with every row."""
-    from pagedllm.benchmarks.blocks import main
+    from pagedllm_bench import main
 
-    main(["--sizes", "64,256", "--ops", "64", "--repeat", "1"])
+    main(["blocks", "--sizes", "64,256", "--ops", "64", "--repeat", "1"])
     out = capsys.readouterr().out
     for row in ("pool get", "pool touch", "allocate (cache miss)", "cache hit", "free", "decode step"):
         assert f"| {row}" in out

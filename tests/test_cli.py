@@ -7,7 +7,7 @@ import io
 from tiny_models import make_llm, make_tiny_model
 
 from pagedllm.cli import main
-from pagedllm.engine.chat_session import run_chat
+from pagedllm.entrypoints.chat_session import run_chat
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -84,7 +84,7 @@ def test_chat_line_editing_keeps_history(tmp_path, monkeypatch):
     readline = __import__("pytest").importorskip("readline")
     import sys
 
-    from pagedllm.engine.chat_session import line_editing
+    from pagedllm.entrypoints.chat_session import line_editing
 
     history = str(tmp_path / "hist")
     monkeypatch.setattr(sys, "stdin", io.StringIO())

@@ -1,6 +1,6 @@
 """Hypothesis-driven mutations of a small valid GGUF (bit flips, truncation, edits of every header field, renames,
 offset games, appended bytes): each variant loads and matches the original (same shapes, bit-identical weights)
-or raises InvalidModelError naming the file, within 2 s of CPU time and 200 MB (pagedllm/benchmarks/fuzz_gguf.py;
+or raises InvalidModelError naming the file, within 2 s of CPU time and 200 MB (bench/pagedllm_bench/fuzz_gguf.py;
 `pagedllm bench fuzz --minutes N` runs the same oracle for longer)."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from pagedllm.benchmarks.fuzz_gguf import MUTATIONS, check_variant, load_summary, mutate, write_tiny_gguf
+from pagedllm_bench.fuzz_gguf import MUTATIONS, check_variant, load_summary, mutate, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

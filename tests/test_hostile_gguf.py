@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
+from pagedllm_bench.fuzz_gguf import check_variant, load_summary, map_fields, peak_rss, write_tiny_gguf
 
-from pagedllm.benchmarks.fuzz_gguf import check_variant, load_summary, map_fields, peak_rss, write_tiny_gguf
 from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.gguf_reader import read_gguf
 from pagedllm.model.loader import load_model

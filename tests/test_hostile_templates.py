@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pagedllm_bench.fuzz import TEMPLATE_PIECES, TEMPLATE_SIZES, check_template, template_of
 from tiny_models import make_tiny_model
 
-from pagedllm.benchmarks.fuzz import TEMPLATE_PIECES, TEMPLATE_SIZES, check_template, template_of
-from pagedllm.engine.chat_template import TemplateLimitError, render_chat_template
 from pagedllm.engine.prompt_limits import PromptTooLongError
-from pagedllm.engine.template_sandbox import TemplateSandbox
+from pagedllm.templating.render import TemplateLimitError
+from pagedllm.templating.sandbox import TemplateSandbox, render_chat_template
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 NORMAL = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}{{ bos_token }}"

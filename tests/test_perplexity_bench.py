@@ -10,9 +10,9 @@ import random
 
 import pytest
 import torch
+from pagedllm_bench.perplexity import chunks, pagedllm_perplexity
 from test_model_smollm2 import TEXT, Greedy
 
-from pagedllm.benchmarks.perplexity import chunks, pagedllm_perplexity
 from pagedllm.model import load_model
 
 pytestmark = pytest.mark.slow

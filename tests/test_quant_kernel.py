@@ -13,12 +13,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tiny_models import fresh_seed
 
-from pagedllm.benchmarks.gguf_writer import quantized
 from pagedllm.kernels.dispatch import kernel_op
 from pagedllm.kernels.variants import VARIANT_ENV, build_variant, cpu_flags
 from pagedllm.quantization.tensor import QuantTensor, kernel_available, pack_stacked, type_id
 from pagedllm.quantization.types import BY_NAME, KERNEL_TYPES
+from pagedllm.testing.gguf_writer import quantized
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels could not be built")
 
@@ -175,7 +176,7 @@ def test_the_portable_build_computes_the_same_bits(tmp_path):
     variant tests reuse it."""
     if build_variant(cpu_flags(), os.environ.get(VARIANT_ENV) or None)[0] == "portable":
         pytest.skip("this process already runs the portable build")
-    seed = int(np.random.default_rng().integers(1 << 31))
+    seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     case, ours = {}, {}
     for i, qtype in enumerate(TYPES):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from pagedllm.attention import build_attention_metadata
-from pagedllm.benchmarks.gguf_writer import FILE_TYPES, tiny_shape, write_random_gguf
 from pagedllm.kernels import kernel_mode
 from pagedllm.model import allocate_kv_caches, load_model
 from pagedllm.model.linear import Linear
 from pagedllm.model.quantized_linear import QuantizedLinearMethod, weight_bytes
 from pagedllm.quantization.tensor import QuantTensor, kernel_available
+from pagedllm.testing.gguf_writer import FILE_TYPES, tiny_shape, write_random_gguf
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="the C++ kernels could not be built")
 
@@ -175,7 +175,7 @@ def test_fused_stack_in_runs_of_layers_is_the_same_as_in_one_call(gguf_dir):
 def _mix(shape_name: str, file_type: str = "Q4_K_M") -> dict[str, int]:
     from collections import Counter
 
-    from pagedllm.benchmarks.gguf_writer import SHAPES, tensor_type
+    from pagedllm.testing.gguf_writer import SHAPES, tensor_type
 
     s = SHAPES[shape_name]
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim

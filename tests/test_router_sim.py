@@ -3,10 +3,10 @@ that run the engine's real scheduler and KV cache manager."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
+from tiny_models import fresh_seed
 
 from pagedllm.distributed.routing import make_policy
 from pagedllm.distributed.simulation import ReplicaConfig, TraceConfig, make_trace, simulate
@@ -18,7 +18,7 @@ IMBALANCE_BOUND = 3.5
 
 
 def test_trace_has_multi_turn_and_zipf_structure():
-    seed = int.from_bytes(os.urandom(2), "little")
+    seed = fresh_seed()
     cfg = TraceConfig(num_conversations=400, num_system_prompts=16, seed=seed)
     trace = make_trace(cfg)
     assert trace == make_trace(cfg)  # seeded
@@ -31,7 +31,7 @@ def test_trace_has_multi_turn_and_zipf_structure():
 
 @pytest.mark.parametrize("replicas", [2, 4, 8, 16, 32])
 def test_prefix_affinity_beats_round_robin(replicas):
-    seed = int.from_bytes(os.urandom(2), "little")
+    seed = fresh_seed()
     trace = make_trace(TraceConfig(num_conversations=6 * replicas, arrival_rate=3.0 * replicas, seed=seed))
     turns = sum(len(c.turns) for c in trace)
     rcfg = ReplicaConfig(num_blocks=1024)

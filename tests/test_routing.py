@@ -126,7 +126,7 @@ def test_single_process_server_does_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, pagedllm.cli, pagedllm.entrypoints.openai.server as s, pagedllm.benchmarks.router_sim; "
+    code = ("import sys, pagedllm.cli, pagedllm.entrypoints.openai.server as s, pagedllm_bench.router_sim; "
             "pagedllm.cli.build_parser().parse_args(['serve']); "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -89,6 +89,31 @@ def test_stops_and_max_tokens_inside_a_draft(tiny_dir):
     assert_no_draft_leaks(llm)
 
 
+@pytest.mark.parametrize("invariant", [True, False])
+def test_draft_model_runs_in_the_engine_kernel_mode(tiny_dir, invariant):
+    """One setting: the draft model's forwards run in EngineArgs.batch_invariant's kernel mode, as the target's
+    (verification decides the tokens; the draft's mode only moves acceptance, so it follows the engine's)."""
+    from pagedllm.kernels.dispatch import current_mode
+
+    llm = make_llm(tiny_dir, batch_invariant=invariant, speculative_config={
+        "method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3})
+    runner = llm.engine.speculator.proposer.runner
+    modes, forward = [], runner.forward
+
+    def recording_forward(*args, **kwargs):
+        modes.append(current_mode().invariant)
+        return forward(*args, **kwargs)
+
+    runner.forward = recording_forward
+    llm.generate(grounded_prompts()[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.engine.runner.kernel_mode.invariant is invariant
+    assert modes and set(modes) == {invariant}
+    assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
+    assert_no_leaks(llm)
+    assert_no_draft_leaks(llm)
+
+
 def test_preemption_and_parallel_sampling_with_speculation(tiny_dir):
     spec = {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 4}
     prompts = random_prompts(6, seed=32, lo=20, hi=40)
@@ -189,9 +214,8 @@ class _AskedK:
         self.asked: list[int] = []
 
     def propose(self, wanted):
-        for req, k in wanted:
-            self.asked.append(k)
-            req.spec_token_ids = [7] * k
+        self.asked += [k for _, k in wanted]
+        return {req.request_id: [7] * k for req, k in wanted}
 
     def retain(self, live_ids):
         pass

@@ -70,8 +70,8 @@ def test_fork_after_prefill_shares_blocks_seeds_and_grammars():
         return grammars[-1]
 
     parent = seq("r#0", 10, seed=7, max_tokens=3, fork_ids=["r#1", "r#2"], new_grammar=new_grammar)
-    parent.grammar = new_grammar()
     sched.add_request(parent)
+    assert parent.grammar is grammars[0]  # the scheduler makes the first sample's matcher too
     out, updates = step(sched, lambda s: [11, 12, 13])
     assert [s.num_rows for s in out.scheduled] == [3] and out.scheduled[0].forks
     assert [u.request.request_id for u in updates] == ["r#0", "r#1", "r#2"]
@@ -99,7 +99,7 @@ def test_drafts_keep_the_accepted_prefix_and_give_back_the_rest(accepted):
     sched.add_request(r)
     step(sched, lambda s: [1])  # prefill + first token
     drafts = [31, 32, 33, 34, 35]
-    r.spec_token_ids = list(drafts)
+    sched.update_draft_token_ids({"d": list(drafts)})
     before = r.num_tokens
     rows = drafts[:accepted] + [77] + [90] * (len(drafts) - accepted)  # row `accepted` differs from its draft
     out, (u,) = step(sched, lambda s: rows[:s.num_rows])
@@ -119,9 +119,24 @@ def test_a_stop_inside_a_draft_ends_the_sequence_there():
     r = seq("s", 5, max_tokens=50, eos_token_ids=frozenset({2}))
     sched.add_request(r)
     step(sched, lambda s: [9])
-    r.spec_token_ids = [40, 2, 41]
+    sched.update_draft_token_ids({"s": [40, 2, 41]})
     _, (u,) = step(sched, lambda s: [40, 2, 41, 42])  # every draft "accepted", but EOS is the second
     assert u.token_ids == [40, 2] and u.finished and r.status == RequestStatus.FINISHED_STOPPED
+    assert_released(sched)
+
+
+def test_update_draft_token_ids_sets_running_requests_only():
+    sched = make_scheduler()
+    a, b, waiting = seq("a", 5, max_tokens=50), seq("b", 5, max_tokens=50), seq("w", 5)
+    for r in (a, b):
+        sched.add_request(r)
+    step(sched, lambda s: [9])
+    sched.add_request(waiting)
+    sched.update_draft_token_ids({"a": [1, 2], "b": [3], "w": [4], "gone": [5]})
+    assert (a.spec_token_ids, b.spec_token_ids, waiting.spec_token_ids) == ([1, 2], [3], [])
+    sched.update_draft_token_ids({"b": []})  # an empty draft clears; a request not named keeps its own
+    assert (a.spec_token_ids, b.spec_token_ids) == ([1, 2], [])
+    sched.finish_requests([a, b, waiting], RequestStatus.FINISHED_ABORTED)
     assert_released(sched)
 
 
@@ -176,8 +191,8 @@ def test_beam_group_forks_kept_beams_frees_dropped_ones_and_keeps_eos_hypotheses
     sched = make_scheduler()
     ids = iter(range(100))
     group = BeamGroup(2, 1.0, frozenset({2}), 3, lambda: f"b{next(ids)}")
-    root = seq("root", 6)
-    group.start(root)
+    root = group.start(seq("root", 6).prompt_token_ids, GREEDY)
+    assert root.beam is group and group.beams == [root]
     sched.add_request(root)
     # step 1: one beam; its top 4: 10 (-0.1), 11 (-0.2), EOS (-0.3), 12 (-0.4): beams 10 and 11 (a fork)
     beam_step(sched, lambda r: [(-0.1, 10), (-0.2, 11), (-0.3, 2), (-0.4, 12)])
@@ -221,7 +236,8 @@ def test_runner_flattens_the_batch_and_maps_rows():
     cfg = ModelConfig(architecture="llama", num_layers=1, hidden_size=8, intermediate_size=8, num_heads=2,
                       num_kv_heads=1, head_dim=4, vocab_size=500, max_position_embeddings=64, rms_norm_eps=1e-5)
     model = RecordingModel(cfg.vocab_size)
-    runner = ModelRunner(model, cfg, 16, 4, torch.float32, "reference")
+    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4, kv_dtype=torch.float32,
+                         attention_backend="reference")
     rng = random.Random(5)
     prefill = Request("p", [rng.randrange(400) for _ in range(9)], sampling_params=GREEDY, num_computed_tokens=3)
     decode = Request("d", [7, 8], output_token_ids=[100], sampling_params=GREEDY, num_computed_tokens=2)

@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from tiny_models import CORPUS, make_llm, make_tiny_model
+from tiny_models import CORPUS, fresh_seed, make_llm, make_tiny_model
 
 from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.structured import GrammarError
@@ -41,7 +41,7 @@ WORDS = CORPUS.split()
 
 def random_prompts(n: int, lo: int = 3, hi: int = 30) -> list[str]:
     """Text prompts (random token ids can end in half a UTF-8 character, which the output text would finish)."""
-    rng = random.Random()
+    rng = random.Random(fresh_seed())
     return [" ".join(rng.choices(WORDS, k=rng.randint(lo, hi))) for _ in range(n)]
 
 
@@ -101,7 +101,7 @@ def test_backend_mask_follows_the_grammar(backend, tiny):
 
 
 def test_apply_token_bitmask_masks_only_its_rows():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed())
     vocab = 100  # not a multiple of 32: the last word's high bits lie beyond the vocabulary
     logits = torch.randn(5, vocab)
     bits = rng.integers(0, 2, size=(2, bitmask_words(vocab) * 32)).astype(bool)
@@ -196,4 +196,50 @@ def test_draft_rows_follow_the_drafts_and_matchers_end_where_they_started(tiny):
     assert np.array_equal(rows[1:4], np.stack(expect)) and np.array_equal(rows[4], rows[3])
     assert np.array_equal(rows[5], rows[3])
     assert walked.accept(enc("b")[0]) and not walked.accept(enc("a")[0])  # back right after "a"
+    mgr.shutdown()
+
+
+class _CountingMatcher:
+    """Accepts any token; its state is the number of tokens taken."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def accept(self, token_id: int) -> bool:
+        self.taken += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.taken -= num_tokens
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class _FailingBackend:
+    """Fills the current states, then fails on the draft rows after `fills` of them."""
+
+    def __init__(self, fills: int) -> None:
+        self.fills = fills
+
+    def fill_bitmasks(self, matchers, bitmask, rows) -> None:
+        if len(matchers) == 1 and rows[0] > 0:  # a draft row
+            if self.fills == 0:
+                raise RuntimeError("fill failed")
+            self.fills -= 1
+
+
+def test_a_failed_draft_fill_leaves_the_matcher_where_it_started():
+    """The walk along the drafts changes the request's own matcher: a step that fails in it (and is retried)
+    must find the matcher as it was."""
+    from pagedllm.structured.manager import StructuredOutputManager
+
+    mgr = StructuredOutputManager(None, 64, [0])
+    mgr._backend = _FailingBackend(fills=2)
+    m = _CountingMatcher()
+    with pytest.raises(RuntimeError, match="fill failed"):
+        mgr.bitmask([(m, [5, 6, 7, 8])])
+    assert m.taken == 0
+    mgr._backend = _FailingBackend(fills=10)
+    assert mgr.bitmask([(m, [5, 6, 7])]).shape[0] == 4 and m.taken == 0
     mgr.shutdown()

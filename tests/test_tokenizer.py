@@ -11,9 +11,10 @@ import random
 import pytest
 from tiny_models import make_tokenizer
 
-from pagedllm.engine.chat_template import apply_template, render_chat_template
 from pagedllm.model.loader import default_model_path
 from pagedllm.model.tokenizer import Tokenizer, load_tokenizer
+from pagedllm.templating.render import apply_template
+from pagedllm.templating.sandbox import render_chat_template
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,10 +1,15 @@
 """Tiny random Llama-family checkpoints (saved as real HF directories), a small real tokenizer, and the helpers
-the engine tests share (make_llm and its defaults, seeded random prompts, the leak check)."""
+the engine tests share (make_llm and its defaults, seeded random prompts, fresh_seed, the leak check,
+wait_until)."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -88,6 +93,15 @@ def make_llm(path, **kw):
     return LLM(str(path), **kw)
 
 
+def fresh_seed() -> int:
+    """A seed for a test's random inputs: $PAGEDLLM_TEST_SEED when set (to rerun a failure), else a fresh one.
+    Printed: pytest shows a failing test's output, so the failure names the seed that reproduces it."""
+    env = os.environ.get("PAGEDLLM_TEST_SEED")
+    seed = int(env) if env else int.from_bytes(os.urandom(2), "little")
+    print(f"random inputs: PAGEDLLM_TEST_SEED={seed}")
+    return seed
+
+
 def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 300) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -102,6 +116,24 @@ def assert_no_leaks(llm) -> None:
 
 def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
+
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], what: str | Callable[[], str], timeout: float = 60.0,
+               interval: float = 0.02) -> T:
+    """Poll `predicate` until it returns something truthy, and return that. The deadline only bounds the wait
+    (generous: a loaded machine is slow), it never decides a test: a condition that never holds fails naming
+    `what` (a callable: evaluated then, to show the state at the time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what() if callable(what) else what}; never held")
+        time.sleep(interval)
 
 
 def hf_model_from_gguf(path: str, dtype: torch.dtype):

@@ -1,6 +1,7 @@
 """Beam search as a group of sequences on the paged cache: kept beams fork their parent's blocks, dropped beams
 free theirs. The scheduler hands each beam's sampled row here (`BeamGroup.take_row`, from update_from_output);
-once every live beam has its row, the group advances.
+once every live beam has its row, the group decides its advance and returns it as a `BeamStep`, which the scheduler
+applies (forks, frees, appends): the group never changes a sequence itself.
 
 Selection follows transformers' beam search (no sampling): each step takes the top 2*W continuations of all live
 beams by cumulative log-probability (float32 sums, as transformers adds them); an EOS among the top W ends a
@@ -14,18 +15,24 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request
 from pagedllm.core.step import SamplerOutput
-
-if TYPE_CHECKING:
-    from pagedllm.core.scheduler import Scheduler
 
 
 def f32(x: float) -> float:
     """x rounded to float32 (a sum of two float32 values computed in float64 and rounded once is the float32 sum)."""
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@dataclass
+class BeamStep:
+    """One advance of a group, for the scheduler to apply in this order: fork each (parent, child) (the child built
+    with the parent's tokens so far), finish the dropped beams, append each kept beam's token."""
+
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    dropped: list[Request] = field(default_factory=list)
+    appends: list[tuple[Request, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -42,24 +49,27 @@ class BeamGroup:
     pending: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # id(beam) -> its (logprob, token)s
     done: bool = False
 
-    def start(self, request: Request) -> None:
-        request.beam = self
+    def start(self, prompt_token_ids: list[int], sampling_params: object) -> Request:
+        """The group's first beam, for the scheduler (built as a beam of this group: nothing is set on it later)."""
+        request = Request(self.new_id(), prompt_token_ids, sampling_params=sampling_params, beam=self)
         self.prompt_token_ids = request.prompt_token_ids
         self.beams, self.scores = [request], {id(request): 0.0}
+        return request
 
-    def take_row(self, beam: Request, sampled: SamplerOutput, row: int, scheduler: Scheduler) -> None:
-        """The beam's next-token candidates (its row's top 2W); the group advances once every beam has its own."""
+    def take_row(self, beam: Request, sampled: SamplerOutput, row: int) -> BeamStep | None:
+        """The beam's next-token candidates (its row's top 2W); once every beam has its own, the group's advance."""
         k = 2 * self.width
         self.pending[id(beam)] = list(zip(sampled.top_logprobs[row][:k], sampled.top_ids[row][:k], strict=True))
         if all(id(b) in self.pending for b in self.beams):
-            self._advance(scheduler)
+            return self._advance()
+        return None
 
     def _keep(self, score: float, cum: float, tokens: list[int]) -> None:
         self.finished.append((score, cum, tokens))
         self.finished.sort(key=lambda f: -f[0])
         del self.finished[self.width:]
 
-    def _advance(self, scheduler: Scheduler) -> None:
+    def _advance(self) -> BeamStep:
         width, pen = self.width, self.length_penalty
         candidates = [(f32(self.scores[id(b)] + lp), i, rank, token)
                       for i, b in enumerate(self.beams) for rank, (lp, token) in enumerate(self.pending.pop(id(b)))]
@@ -81,22 +91,23 @@ class BeamGroup:
                 self._keep(score / gen_len**pen, score, beam.output_token_ids + [token])
         best_live = max((s for _, _, s in chosen), default=float("-inf")) / gen_len**pen
         if at_limit or not chosen or (len(self.finished) == width and self.finished[-1][0] >= best_live):
-            scheduler.finish_requests(self.beams, RequestStatus.FINISHED_STOPPED)
+            step = BeamStep(dropped=self.beams)
             self.beams, self.scores, self.done = [], {}, True
-            return
-        # Fork a parent once per extra child before any of them appends its token; free unchosen parents.
-        kept: list[tuple[Request, int, float]] = []
+            return step
+        # A parent chosen again is forked once per extra child; unchosen parents are dropped.
+        step = BeamStep()
+        kept: list[tuple[Request, float]] = []  # (sequence, its score)
         used: set[int] = set()
         for beam, token, score in chosen:
             seq = beam
             if id(beam) in used:
                 seq = Request(self.new_id(), beam.prompt_token_ids, output_token_ids=list(beam.output_token_ids),
                               sampling_params=beam.sampling_params, beam=self)
-                scheduler.fork(beam, seq)
+                step.forks.append((beam, seq))
             used.add(id(beam))
-            kept.append((seq, token, score))
-        scheduler.finish_requests([b for b in self.beams if id(b) not in used], RequestStatus.FINISHED_STOPPED)
-        for seq, token, _ in kept:
-            seq.append_output_token(token)
-        self.beams = [seq for seq, _, _ in kept]
-        self.scores = {id(seq): score for seq, _, score in kept}
+            kept.append((seq, score))
+            step.appends.append((seq, token))
+        step.dropped = [b for b in self.beams if id(b) not in used]
+        self.beams = [seq for seq, _ in kept]
+        self.scores = {id(seq): score for seq, score in kept}
+        return step

@@ -38,9 +38,13 @@ class Grammar(Protocol):
 @dataclass(eq=False)
 class Request:
     """One sequence. `all_token_ids` = prompt + generated tokens; the first `num_computed_tokens` of them have
-    their K/V in the cache. `spec_token_ids` are proposed (unverified) next tokens: the scheduler runs them
-    through the model after the sequence's last token, and `Scheduler.accept_draft_tokens` keeps the K/V of the
-    ones the sampler accepted and releases the slots of the rest."""
+    their K/V in the cache. `spec_token_ids` are proposed (unverified) next tokens, set by
+    `Scheduler.update_draft_token_ids`: the scheduler runs them through the model after the sequence's last token,
+    and `Scheduler.accept_draft_tokens` keeps the K/V of the ones the sampler accepted and releases the slots of
+    the rest.
+
+    A request is complete when it is built: outside core/ nothing assigns its fields afterwards (the scheduler
+    owns its progress; tests/test_request_ownership.py holds this)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -55,7 +59,7 @@ class Request:
     priority: int = 0  # the priority scheduling policy serves lower values first
     prompt_work_at_arrival: int = 0  # the scheduler's count of prompt tokens computed when this one arrived (its age)
     spec_token_ids: list[int] = field(default_factory=list)
-    # How the sequence samples and ends. The engine sets these; the runner samples with `sampling_params` and
+    # How the sequence samples and ends. The engine builds it with these; the runner samples with `sampling_params` and
     # `seed`, and Scheduler.update_from_output appends the sampled tokens and ends the sequence on them.
     sampling_params: Any = None  # pagedllm.SamplingParams (opaque here)
     seed: int | None = None  # this sequence's own seed (its request's seed + its sample index)
@@ -64,7 +68,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # "stop", with the token as the stop reason
     fork_ids: list[str] = field(default_factory=list)  # n > 1: the other samples, forked once the prompt is done
     grammar: Grammar | None = None  # structured outputs: every token must be accepted by it
-    new_grammar: Callable[[], Grammar] | None = None  # a fresh matcher for each forked sample
+    # a fresh matcher: the scheduler makes `grammar` from it on add_request (unless given) and for each forked sample
+    new_grammar: Callable[[], Grammar] | None = None
     beam: Any = None  # the beam-search group this sequence is a beam of (core/beam_search.py)
     stop_reason: int | None = None  # the stop token that ended it
     error: str | None = None  # why it was aborted, when it failed

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedllm.core.beam_search import BeamStep
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import cdiv
 from pagedllm.core.request import Request, RequestStatus
@@ -151,7 +152,10 @@ class Scheduler:
         return max_tokens
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; its grammar matcher is made here from `new_grammar` (as each forked sample's is)."""
         self.check_fits(request.num_prompt_tokens)
+        if request.grammar is None and request.new_grammar is not None:
+            request.grammar = request.new_grammar()
         request.status = RequestStatus.WAITING
         request.prompt_work_at_arrival = self._prompt_work
         self.waiting.append(request)
@@ -325,7 +329,7 @@ class Scheduler:
             if not s.samples:
                 continue
             if req.beam is not None:
-                req.beam.take_row(req, sampled, rows[0], self)
+                self._apply_beam_step(req.beam.take_row(req, sampled, rows[0]))
             elif s.forks:
                 children = [self._fork_sample(req, child_id, i) for i, child_id in enumerate(req.fork_ids, 1)]
                 req.fork_ids = []
@@ -334,6 +338,17 @@ class Scheduler:
             else:
                 updates.append(self._take_tokens(req, sampled, rows, s.draft_token_ids))
         return updates
+
+    def _apply_beam_step(self, step: BeamStep | None) -> None:
+        """A beam group's advance (None: it still waits for rows): forks first, while every parent still has only
+        its old tokens, then the dropped beams are freed, then each kept beam takes its token."""
+        if step is None:
+            return
+        for parent, child in step.forks:
+            self.fork(parent, child)
+        self.finish_requests(step.dropped, RequestStatus.FINISHED_STOPPED)
+        for seq, token in step.appends:
+            seq.append_output_token(token)
 
     def _fork_sample(self, parent: Request, child_id: str, index: int) -> Request:
         """Sample `index` of an n > 1 request: the parent's prompt blocks, its own seed and grammar matcher."""
@@ -387,6 +402,16 @@ class Scheduler:
         if status is not None:
             self.finish_requests([req], status)
         return status is not None
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """A proposer's draft tokens by request id (as vLLM v1's): the running requests named get them for their
+        next step, an empty list clearing any they had; ids no longer running are ignored."""
+        if not draft_token_ids:
+            return
+        for req in self.running:
+            drafts = draft_token_ids.get(req.request_id)
+            if drafts is not None:
+                req.spec_token_ids = list(drafts)
 
     def accept_draft_tokens(self, request: Request, num_accepted: int) -> None:
         """After verification: the first num_accepted draft tokens (now appended to the request's tokens)

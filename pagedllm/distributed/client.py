@@ -27,9 +27,9 @@ from pagedllm.distributed.replica import EngineReplica
 from pagedllm.distributed.routing import NoHealthyReplicaError, ReplicaLoad, make_policy
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
-from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.templating.sandbox import render_chat_template
 
 logger = logging.getLogger(__name__)
 

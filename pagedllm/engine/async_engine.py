@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, Tracked
 from pagedllm.faults import as_exception, is_request_fault
@@ -25,7 +25,13 @@ from pagedllm.metrics import EngineMetrics, StatsLogger
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # (llm_engine imports torch and the model code: only the type here)
+    from pagedllm.engine.args import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")  # what a call()'s function returns
 
 
 SWITCH_INTERVAL_S = 0.0005
@@ -41,7 +47,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: EngineMetrics | None = None, *,
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, *,
                  stats_interval: float = 0.05, log_stats_interval: float | None = None,
                  log_requests: bool = False, log_prompts: bool = False) -> None:
         """log_stats_interval: seconds between the INFO stats lines (None: none). log_requests: one INFO line
@@ -66,7 +72,7 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, **options: Any) -> AsyncEngine:
+    def from_engine_args(cls, engine_args: EngineArgs, **options: Any) -> AsyncEngine:
         from pagedllm.engine.llm_engine import LLMEngine
 
         return cls(LLMEngine.from_engine_args(engine_args), **options)
@@ -167,7 +173,7 @@ class AsyncEngine:
         except EngineDeadError:
             pass  # nothing left to free
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) in the loop thread between two steps and return its result."""
         if not self.is_running:
             raise EngineDeadError("engine is not running") from self.dead_error

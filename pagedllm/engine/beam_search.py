@@ -2,8 +2,8 @@
 
 Each prompt starts one beam-search group of one sequence. The engine steps as for any request: the runner
 reports each beam's top 2 * beam_width next tokens (logprobs of the raw distribution), and the scheduler's
-update hands them to the group, which forks kept beams (sharing their blocks), frees dropped ones and ends when
-its hypotheses are done.
+update hands them to the group, which decides which beams are kept (forked, sharing their blocks) and dropped and
+when its hypotheses are done; the scheduler applies that.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 from pagedllm.core.beam_search import BeamGroup
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import RequestStatus
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -44,7 +44,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
     for prompt in prompts:
         toks = engine.tokenize(prompt)
         group = BeamGroup(width, params.length_penalty, eos, sched.check_fits(len(toks), params.max_tokens), new_id)
-        group.start(Request(new_id(), toks, sampling_params=rows))
+        group.start(toks, rows)  # its first beam
         groups.append(group)
     try:
         for g in groups:

@@ -14,11 +14,20 @@ import hashlib
 import logging
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pagedllm.core.kv_tier import TierCoordinator
 from pagedllm.worker.kv_disk_store import VERSION, DiskKVStore
 from pagedllm.worker.kv_offload import KVOffloadWorker
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from pagedllm.core.kv_cache_manager import KVCacheManager
+    from pagedllm.core.kv_groups import KVGroupLayout
+    from pagedllm.model.config import ModelConfig
+    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +59,23 @@ def model_identity(model_path: str) -> dict[str, str]:
     return {n: file_identity(os.path.join(model_path, n)) for n in names}
 
 
-def fingerprint_facts(engine: Any) -> dict:
+def fingerprint_facts(*, model_path: str, config: ModelConfig, dtype: torch.dtype, quantization: str,
+                      kv_cache_dtype: str, block_size: int, layout: KVGroupLayout, batch_invariant: bool,
+                      attention_backend: str) -> dict:
     """Everything a KV block's bytes depend on: the model (its files, shape), how it computes (dtype, weights as
     stored or not, the kernels and whether batch-invariant), and how the pool stores K/V (dtype, block size, the
     KV-group layout). Two engines share entries exactly when these are equal."""
     from pagedllm.kernels.variants import build_variant
 
-    args, cfg, layout = engine.args, engine.model_config, engine.kv_groups
     try:
         variant = build_variant()[0]
     except Exception:  # no compiler: the portable torch paths
         variant = "none"
-    return {"format": VERSION, "model": model_identity(str(engine.model_path)), "num_layers": cfg.num_layers,
-            "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": str(engine.dtype),
-            "quantization": args.quantization, "kv_cache_dtype": engine.kv_cache_dtype_name(),
-            "block_size": args.block_size, "kv_groups": [[list(g.layers), g.window] for g in layout.groups],
-            "batch_invariant": args.batch_invariant, "attention_backend": engine.runner.backend.name,
+    return {"format": VERSION, "model": model_identity(str(model_path)), "num_layers": config.num_layers,
+            "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "dtype": str(dtype),
+            "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+            "block_size": block_size, "kv_groups": [[list(g.layers), g.window] for g in layout.groups],
+            "batch_invariant": batch_invariant, "attention_backend": attention_backend,
             "kernel_variant": variant}
 
 
@@ -74,13 +84,14 @@ def fingerprint(facts: dict) -> str:
 
 
 class DiskTier:
-    def __init__(self, engine: Any, directory: str, size_bytes: int) -> None:
-        facts = fingerprint_facts(engine)
-        pool = engine.runner.kv_caches.pool
+    def __init__(self, kv: KVCacheManager | HybridKVCacheManager, pool: torch.Tensor, facts: dict, directory: str,
+                 size_bytes: int) -> None:
+        """kv: the engine's KV cache manager (the coordinator hooks its block pool); pool: the runner's KV pool
+        tensor (the bytes moved); facts: fingerprint_facts of the engine (the store's name and metadata)."""
         block_bytes = pool[:, :, 0].numel() * pool.element_size()
         self.store = DiskKVStore(directory, fingerprint(facts), size_bytes, block_bytes, meta=facts)
         self.worker = KVOffloadWorker(pool, self.store, QUEUE_BYTES)
-        self.coordinator = TierCoordinator(engine.kv, self.store.contains)
+        self.coordinator = TierCoordinator(kv, self.store.contains)
         self.block_bytes = block_bytes
         self._closed = False
         ref = weakref.ref(self)
@@ -140,13 +151,21 @@ class DiskTier:
         return s
 
 
-def make_disk_tier(engine: Any, directory: str | None, size: int | str | None) -> DiskTier | None:
-    """The engine's disk tier, or None (off, the default; or not possible with this engine, said once)."""
+def make_disk_tier(directory: str | None, size: int | str | None, *, kv: KVCacheManager | HybridKVCacheManager,
+                   runner: ModelRunner, model_path: str, config: ModelConfig, dtype: torch.dtype, quantization: str,
+                   kv_cache_dtype: str, layout: KVGroupLayout) -> DiskTier | None:
+    """The engine's disk tier, or None (off, the default; or not possible with this engine, said once). The
+    runner gives the pool and how it computes (block size, attention backend, kernel mode); the rest, what else
+    a block's bytes depend on (fingerprint_facts)."""
     if not directory:
         return None
     from pagedllm.engine.args import parse_bytes
 
-    if not engine.kv.enable_prefix_caching or engine.kv.kv_layout != "paged":
+    if not kv.enable_prefix_caching or kv.kv_layout != "paged":
         logger.warning("disk KV cache: off, it needs prefix caching and the paged KV layout")
         return None
-    return DiskTier(engine, directory, DEFAULT_SIZE if size is None else parse_bytes(size, "kv_disk_cache_size"))
+    facts = fingerprint_facts(model_path=model_path, config=config, dtype=dtype, quantization=quantization,
+                              kv_cache_dtype=kv_cache_dtype, block_size=runner.block_size, layout=layout,
+                              batch_invariant=runner.kernel_mode.invariant, attention_backend=runner.backend.name)
+    size_bytes = DEFAULT_SIZE if size is None else parse_bytes(size, "kv_disk_cache_size")
+    return DiskTier(kv, runner.kv_caches.pool, facts, directory, size_bytes)

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from functools import cached_property
 
 import numpy as np
 
 from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.kv_groups import plan_kv_groups
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Grammar, Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.step import RunnerOutput, SamplerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
-from pagedllm.engine.chat_template import render_chat_template
 from pagedllm.engine.disk_tier import make_disk_tier
-from pagedllm.engine.generation_config import generation_defaults
 from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
@@ -30,6 +29,7 @@ from pagedllm.engine.speculative import make_speculator
 from pagedllm.engine.step_budget import StepBudget
 from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.model.config import check_token_ids
+from pagedllm.model.generation_config import generation_defaults
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
 from pagedllm.model.loader import load_model
@@ -38,6 +38,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.backend import allow_token
 from pagedllm.structured.gate import GrammarGate
 from pagedllm.structured.reasoning_gate import GatedMatcher
+from pagedllm.templating.sandbox import render_chat_template
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import TokenBitmask
 
@@ -80,9 +81,9 @@ class LLMEngine:
                                                    policy=args.scheduling_policy, prefill_order=args.prefill_order),
                                    self.kv)
         self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks, args.block_size,
-                                  self.kv_dtype, args.attention_backend, args.batch_invariant, self.kv_groups,
-                                  seed=args.seed)
+        self.runner = ModelRunner(loaded.model, self.model_config, num_blocks=num_blocks, block_size=args.block_size,
+                                  kv_dtype=self.kv_dtype, attention_backend=args.attention_backend,
+                                  batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
@@ -91,10 +92,13 @@ class LLMEngine:
             self.speculator = make_speculator(args.speculative_config, dtype=dtype, num_blocks=num_blocks,
                                               block_size=args.block_size, attention_backend=args.attention_backend,
                                               vocab_size=self.model_config.vocab_size,
-                                              max_model_len=self.max_model_len)
+                                              max_model_len=self.max_model_len, batch_invariant=args.batch_invariant)
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
-        self.disk_tier = make_disk_tier(self, args.kv_disk_cache_dir, args.kv_disk_cache_size)  # None: off
+        self.disk_tier = make_disk_tier(  # None: off
+            args.kv_disk_cache_dir, args.kv_disk_cache_size, kv=self.kv, runner=self.runner,
+            model_path=self.model_path, config=self.model_config, dtype=dtype, quantization=args.quantization,
+            kv_cache_dtype=self.kv_cache_dtype_name(), layout=self.kv_groups)
         if self.disk_tier is not None:
             self.scheduler.kv_tier = self.disk_tier.coordinator
         self._grammar_gate = GrammarGate()  # requests whose grammar is still compiling
@@ -137,7 +141,7 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         """kwargs: chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools.
-        Rendered in the template sandbox (a time, memory and output limit; engine/template_sandbox.py)."""
+        Rendered in the template sandbox (a time, memory and output limit; templating/sandbox.py)."""
         return render_chat_template(self.tokenizer, messages, **kwargs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -161,25 +165,23 @@ class LLMEngine:
             state.grammar = self.structured_outputs.submit(params.structured_outputs)
             if state.grammar.done() and state.grammar.exception() is not None:
                 raise state.grammar.exception()  # a cached compile error: a GrammarError (a ValueError)
-        req = self.output_processor.add_request(state, arrival_time)
-        req.priority = priority
+        new_grammar = None if state.grammar is None else self._grammar_factory(state.grammar, params)
+        req = self.output_processor.add_request(state, arrival_time, priority=priority, new_grammar=new_grammar)
         if state.grammar is not None and not state.grammar.done():
-            self._grammar_gate.hold(state.grammar, (state, req))
+            self._grammar_gate.hold(state.grammar, (state, req))  # built complete; scheduled once compiled
         else:
-            self._schedule(state, req)
+            self.scheduler.add_request(req)
 
-    def _schedule(self, state: RequestState, req: Request) -> None:
-        """Hand a request's first sequence to the scheduler, with its grammar matcher (each forked sample makes
-        its own from the same compiled grammar)."""
-        if state.grammar is not None:
-            compiled = state.grammar.result()
-            gate = state.params.structured_outputs.after_reasoning  # (a reasoning model: free until it ends)
-            if gate is None:
-                req.new_grammar = lambda: self.structured_outputs.matcher(compiled)
-            else:
-                req.new_grammar = lambda: GatedMatcher(self.structured_outputs.matcher(compiled), gate)
-            req.grammar = req.new_grammar()
-        self.scheduler.add_request(req)
+    def _grammar_factory(self, compiled: Future, params: SamplingParams) -> Callable[[], Grammar]:
+        """How each sample makes its own matcher from the compiled grammar (the scheduler calls it once the
+        request is scheduled, so only after the compile is done)."""
+        gate = params.structured_outputs.after_reasoning  # (a reasoning model: free until it ends)
+
+        def new_grammar() -> Grammar:
+            matcher = self.structured_outputs.matcher(compiled.result())
+            return matcher if gate is None else GatedMatcher(matcher, gate)
+
+        return new_grammar
 
     # ---- structured outputs ----------------------------------------------------------------------
     @property
@@ -202,14 +204,15 @@ class LLMEngine:
             if state.request_id not in self.requests:
                 continue  # aborted while compiling
             if err is None:
-                self._schedule(state, req)
+                self.scheduler.add_request(req)
             else:
                 failed.append(self._abort(state.request_id, str(err)).output())
         return failed
 
     def _token_bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
         """The tokens each constrained row may take next (unconstrained rows are not in it): an entry with draft
-        tokens gets one row per draft prefix, its matcher walked along the drafts and back; an entry that forks
+        tokens gets one row per draft prefix (StructuredOutputManager.bitmask walks its matcher along the drafts
+        and back: the request's grammar ends as it was, even when a fill fails); an entry that forks
         n samples, its matcher's one mask n times (every sample starts where the prompt ends). Behind a reasoning
         gate, rows are free while the model reasons, and its first row may also open the reasoning."""
         rows, walks, repeats, extra, row = [], [], [], [], 0
@@ -268,7 +271,7 @@ class LLMEngine:
         self.scheduler.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(processed.aborted, RequestStatus.FINISHED_ABORTED)
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self._draft_room)
+            self.scheduler.update_draft_token_ids(self.speculator.propose(self.scheduler.running, self._draft_room))
         if self.disk_tier is not None:
             self.disk_tier.after_step()
         return failed_grammars + [state.output() for state in failed] + processed.outputs

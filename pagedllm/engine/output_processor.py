@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Grammar, Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import PromptLogprobs, RunnerOutput, SamplerOutput, SequenceUpdate
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -115,17 +115,19 @@ class OutputProcessor:
         self.on_verified: Callable[[Request, int, int], None] | None = None  # (request, drafts, accepted)
 
     # ---- requests in and out --------------------------------------------------------------------
-    def add_request(self, state: RequestState, arrival_time: float | None) -> Request:
-        """Register a request and return the core Request of its first sample (for the scheduler), carrying
-        what the runner samples with and what the scheduler stops on."""
+    def add_request(self, state: RequestState, arrival_time: float | None, *, priority: int = 0,
+                    new_grammar: Callable[[], Grammar] | None = None) -> Request:
+        """Register a request and return the core Request of its first sample (for the scheduler), complete:
+        what the runner samples with, what the scheduler orders it by and stops on, and how its samples make their
+        grammar matchers (structured outputs; the scheduler calls it once the grammar has compiled)."""
         p, n = state.params, state.params.n
         req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt,
+                      time.monotonic() if arrival_time is None else arrival_time,
                       sampling_params=p, seed=p.seed, max_tokens=state.max_tokens,
                       eos_token_ids=frozenset() if p.ignore_eos else p.eos_token_ids,
                       stop_token_ids=frozenset(p.stop_token_ids or ()),
-                      fork_ids=[sample_request_id(state.request_id, i) for i in range(1, n)])
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
+                      fork_ids=[sample_request_id(state.request_id, i) for i in range(1, n)],
+                      priority=priority, new_grammar=new_grammar)
         state.metrics = RequestMetrics(req.arrival_time)
         if p.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)

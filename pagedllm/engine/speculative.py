@@ -1,7 +1,8 @@
 """Speculative decoding: a cheap proposer guesses the next k tokens of a request, the target model verifies all of
 them in one forward (the drafts run as a short prefill over the cached context), and the sampler keeps the
-longest prefix it agrees with plus one token of its own (engine/output_processor.py); the paged cache gives the
-slots of rejected drafts back (`Scheduler.accept_draft_tokens`).
+longest prefix it agrees with plus one token of its own (core/scheduler.py); the paged cache gives the
+slots of rejected drafts back (`Scheduler.accept_draft_tokens`). Proposers return their drafts by request id and
+the engine hands them to `Scheduler.update_draft_token_ids` (as vLLM v1): only the scheduler sets them.
 
 Proposers are deterministic (one guess per position), so verification by sampling each position from the target's
 own distribution is exact rejection sampling: the output follows the same distribution as without speculation.
@@ -66,9 +67,12 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+DraftTokenIds = dict[str, list[int]]  # request id -> its draft tokens ([]: none this step)
+
+
 class Proposer(Protocol):
-    def propose(self, wanted: list[tuple[Request, int]]) -> None:
-        """Set request.spec_token_ids to at most k guessed next tokens for each (request, k)."""
+    def propose(self, wanted: list[tuple[Request, int]]) -> DraftTokenIds:
+        """At most k guessed next tokens for each (request, k), by request id (every one of them)."""
 
     def retain(self, live_ids: set[str]) -> None:
         """Drop any state kept for requests not in live_ids."""
@@ -92,9 +96,8 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, wanted: list[tuple[Request, int]]) -> None:
-        for req, k in wanted:
-            req.spec_token_ids = ngram_lookup(req.all_token_ids, self.n_min, self.n_max, k)
+    def propose(self, wanted: list[tuple[Request, int]]) -> DraftTokenIds:
+        return {req.request_id: ngram_lookup(req.all_token_ids, self.n_min, self.n_max, k) for req, k in wanted}
 
     def retain(self, live_ids: set[str]) -> None:
         pass
@@ -116,15 +119,16 @@ class Speculator:
         self.proposer = proposer
         self._pace: dict[str, _Pace] = {}
 
-    def propose(self, running: Iterable[Request], room: Callable[[Request], int]) -> None:
-        """Drafts for the running requests that decode next step; room(request) bounds a request's drafts
-        (tokens it may still generate minus the one the verification itself adds)."""
+    def propose(self, running: Iterable[Request], room: Callable[[Request], int]) -> DraftTokenIds:
+        """Drafts for the running requests that decode next step, by request id (for
+        Scheduler.update_draft_token_ids); room(request) bounds a request's drafts (tokens it may still generate
+        minus the one the verification itself adds)."""
         running = list(running)
         live = {r.request_id for r in running}
         self.proposer.retain(live)
         self._pace = {rid: p for rid, p in self._pace.items() if rid in live}
         if len(running) > self.config.disable_by_batch_size:
-            return
+            return {}
         wanted = []
         for req in running:
             if req.num_computed_tokens != req.num_tokens - 1:  # still prefilling
@@ -136,8 +140,7 @@ class Speculator:
             k = min(pace.k, room(req))
             if k > 0:
                 wanted.append((req, k))
-        if wanted:
-            self.proposer.propose(wanted)
+        return self.proposer.propose(wanted) if wanted else {}
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
         """Adapt the request's k to how its last draft fared: all accepted, twice as many next time (copied runs
@@ -163,11 +166,13 @@ class Speculator:
 
 
 def make_speculator(spec: dict | SpeculativeConfig, *, dtype: str, num_blocks: int, block_size: int,
-                    attention_backend: str, vocab_size: int, max_model_len: int) -> Speculator:
+                    attention_backend: str, vocab_size: int, max_model_len: int,
+                    batch_invariant: bool = True) -> Speculator:
+    """batch_invariant: the engine's kernel mode, which a draft model runs in too (one setting for the engine)."""
     config = SpeculativeConfig.from_dict(spec)
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
     from pagedllm.engine.draft_model import DraftModelProposer
 
     return Speculator(config, DraftModelProposer(config.model, dtype, num_blocks, block_size, attention_backend,
-                                                 vocab_size, max_model_len))
+                                                 vocab_size, max_model_len, batch_invariant=batch_invariant))

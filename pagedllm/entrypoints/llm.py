@@ -127,7 +127,7 @@ class LLM:
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None) -> list[RequestOutput]:
-        """vLLM's LLM.chat. Templates render with a time, memory and output limit (engine/template_sandbox.py);
+        """vLLM's LLM.chat. Templates render with a time, memory and output limit (templating/sandbox.py);
         the rendered prompt's length is checked before it is tokenized."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,

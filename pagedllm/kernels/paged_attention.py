@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pagedllm.kernels.dispatch import KernelMode, current_mode
 from pagedllm.kernels.library import load_ops
 
-if TYPE_CHECKING:  # the kernels sit below attention/: the type only
-    from pagedllm.attention.metadata import AttentionMetadata
+
+class PagedContext(Protocol):
+    """What the kernel reads of a batch's attention metadata (attention.metadata.AttentionMetadata has it; the
+    kernels sit below attention/ and name only the fields)."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] block ids
+    seq_lens: torch.Tensor  # [num_seqs] context length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] where each sequence's queries start in q
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedContext,
                     scale: float, *, mode: KernelMode | None = None, min_items: int = 0,
                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of q [T,Hq,D] over the paged context described by meta (K/V already written). -> [T,Hq,D].

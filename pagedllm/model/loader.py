@@ -169,8 +169,8 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
                quantization: str) -> LoadedModel:
     """The file is parsed once: config, weights, tokenizer and sampling defaults all come from that parse. The
     model owns every weight when this returns (the mapping is not read again)."""
-    from pagedllm.engine.generation_config import gguf_sampling_defaults
     from pagedllm.model import gguf_loader
+    from pagedllm.model.generation_config import gguf_sampling_defaults
     from pagedllm.model.gguf_config import config_from_gguf
     from pagedllm.model.gguf_reader import read_gguf
 

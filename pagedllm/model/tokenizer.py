@@ -136,9 +136,9 @@ class Tokenizer:
 
     def apply_chat_template(self, conversation: list[dict], *, tokenize: bool = True, return_dict: bool = True,
                             **kwargs: Any) -> str | list[int] | dict[str, list[int]]:
-        """The conversation rendered by the chat template (engine/chat_template.py), tokenized by default
+        """The conversation rendered by the chat template (templating/render.py), tokenized by default
         (without adding special tokens: the template writes them), as transformers does."""
-        from pagedllm.engine.chat_template import apply_template
+        from pagedllm.templating.render import apply_template
 
         text = apply_template(self, conversation, **kwargs)
         if not tokenize:

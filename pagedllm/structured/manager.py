@@ -71,7 +71,8 @@ class StructuredOutputManager:
         """One int32 row of ceil(vocab / 32) words per (matcher, draft tokens) and draft prefix: what the matcher
         allows next after 0, 1, ... len(drafts) of the drafts. A draft the grammar rejects ends the walk (the
         rows after it repeat the last mask: the sampler's token there differs from the draft, so the rows
-        beyond are never used). Matchers end where they started. A view of a reused buffer."""
+        beyond are never used). Matchers end where they started, even when a fill fails: they are the requests'
+        own, and a failed step is retried. A view of a reused buffer."""
         n = sum(1 + len(d) for _, d in walks)
         if self._bitmask.shape[0] < n:
             self._bitmask = np.zeros((n, self._bitmask.shape[1]), np.int32)
@@ -81,7 +82,15 @@ class StructuredOutputManager:
             row += 1 + len(drafts)
         self.backend.fill_bitmasks([m for m, _ in walks], out, starts)  # all current states in one batch
         for (m, drafts), start in zip(walks, starts, strict=True):
-            walked = 0
+            if drafts:
+                self._fill_draft_rows(m, drafts, out, start)
+        return out
+
+    def _fill_draft_rows(self, m: Matcher, drafts: list[int], out: np.ndarray, start: int) -> None:
+        """Rows start + 1 ... of `out` (row `start` holds m's current mask): m walked along the drafts it accepts,
+        the mask after each, then rolled back."""
+        walked = 0
+        try:
             for j, token in enumerate(drafts):
                 row = start + 1 + j
                 if walked == j and m.accept(token):
@@ -89,9 +98,9 @@ class StructuredOutputManager:
                     self.backend.fill_bitmasks([m], out, [row])
                 else:
                     out[row] = out[row - 1]
+        finally:
             if walked:
                 m.rollback(walked)
-        return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -13,6 +13,7 @@ from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import RunnerOutput
 from pagedllm.kernels import KernelMode, forward_context, kernel_op
+from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import allocate_kv_caches
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
@@ -64,12 +65,13 @@ def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config, num_blocks: int, block_size: int,
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, *, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True,
                  layout: KVGroupLayout | None = None, seed: int = 0) -> None:
-        """kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8: model/kv_cache.resolve_kv_dtype).
-        layout: the KV groups (core/kv_groups.py; None: one group of every layer). seed: the sampler's generator
-        (rows without a seed of their own)."""
+        """The settings after the model and its config are keywords: several are ints or bools, which a positional
+        call could swap unseen. kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8:
+        model/kv_cache.resolve_kv_dtype). layout: the KV groups (core/kv_groups.py; None: one group of every
+        layer). seed: the sampler's generator (rows without a seed of their own)."""
         self.model = model
         self.kernel_mode = KernelMode(invariant=batch_invariant)  # every forward runs in it (engines may differ)
         self.block_size = block_size
