@@ -5,13 +5,14 @@ from __future__ import annotations
 import random
 
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import fresh_seed
 
 from pagedllm.distributed.metrics import merge_replica_metrics
 from pagedllm.metrics import EngineMetrics
 
 
 def test_merge_labels_every_sample_and_keeps_one_family_per_name():
-    rng = random.Random()
+    rng = random.Random(fresh_seed())
     counts = [rng.randint(1, 1000) for _ in range(3)]
     texts = {}
     for i, n in enumerate(counts):

@@ -131,11 +131,11 @@ def test_sigterm_while_a_template_runs_away(model_dir, tmp_path):
         t = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=body, timeout=120))
         t.start()
         server = psutil.Process(proc.pid)
-        while not any("template_worker" in " ".join(c.cmdline()) and c.cpu_times().user > 0.5
+        while not any("templating.worker" in " ".join(c.cmdline()) and c.cpu_times().user > 0.5
                        for c in server.children()):
             assert t.is_alive()
             time.sleep(0.1)  # until the runaway is rendering
-        workers = [c for c in server.children() if "template_worker" in " ".join(c.cmdline())]
+        workers = [c for c in server.children() if "templating.worker" in " ".join(c.cmdline())]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, open(tmp_path / "server.log").read()[-3000:]
         t.join(120)

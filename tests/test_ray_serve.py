@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_server import LiveServer  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from tiny_models import fresh_seed, make_tiny_model  # noqa: E402
 
 from pagedllm.distributed.args import DataParallelArgs  # noqa: E402
 from pagedllm.distributed.client import DataParallelEngine  # noqa: E402
@@ -76,9 +76,7 @@ def client(server):
 @pytest.fixture
 def rng() -> random.Random:
     """Fresh prompts every run; the seed is printed, so a failure's captured output shows it."""
-    seed = time.time_ns()
-    print(f"rng seed {seed}")
-    return random.Random(seed)
+    return random.Random(fresh_seed())
 
 
 def ids(rng: random.Random, n: int) -> list[int]:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import fresh_seed, wait_until
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -105,7 +106,7 @@ def samples(eng: AsyncEngine) -> dict[str, float]:
 
 
 def test_concurrent_generate_and_metrics(engine):
-    rng = random.Random()
+    rng = random.Random(fresh_seed())
     prompts = ["".join(rng.choices("abcdefgh", k=rng.randint(1, 20))) for _ in range(32)]
     lens = [rng.randint(1, 12) for _ in prompts]
 
@@ -125,10 +126,10 @@ def test_concurrent_generate_and_metrics(engine):
     # one gap per token after the first, unless outputs of several steps were observed at once (never here:
     # the loop records each step's outputs as they come)
     assert m["pagedllm_inter_token_latency_seconds_count"] == sum(lens) - len(prompts)
-    time.sleep(0.1)
-    m = samples(engine)
+    # the gauges follow the loop's stats refresh (every 50 ms, and once idle), not the outputs
+    m = wait_until(lambda: (g := samples(engine))["pagedllm_num_requests_running"] == 0
+                   and g["pagedllm_kv_cache_usage_ratio"] == 0 and g, "the gauges to show an idle engine")
     assert m["pagedllm_prefix_cache_queries_total"] == 7 and m["pagedllm_prefix_cache_hits_total"] == 3
-    assert m["pagedllm_num_requests_running"] == 0 and m["pagedllm_kv_cache_usage_ratio"] == 0
 
 
 def test_cancelled_consumer_aborts(engine):
@@ -212,11 +213,22 @@ async def _drain(gen) -> None:
 def test_idle_loop_does_not_spin():
     fake = FakeEngine()
     eng = AsyncEngine(fake)
+    turns = [0]
+    has_unfinished = fake.has_unfinished_requests
+
+    def counted() -> bool:  # called once per turn of the loop
+        turns[0] += 1
+        return has_unfinished()
+
+    fake.has_unfinished_requests = counted
     eng.start()
     try:
-        t0 = time.process_time()  # CPU time of all our threads
+        # Count the loop's turns, not CPU time (other threads and other processes share it): an idle loop waits
+        # 0.5 s a turn, a spinning one turns thousands of times; a slow machine makes fewer turns, never more.
+        t0, n0 = time.monotonic(), turns[0]
         time.sleep(0.5)
-        assert time.process_time() - t0 < 0.25  # a spinning loop would burn ~0.5 s here
+        elapsed, n = time.monotonic() - t0, turns[0] - n0
+        assert n <= 2 + 2 * elapsed / 0.5, f"the idle loop turned {n} times in {elapsed:.2f} s"
         assert eng.is_running
     finally:
         eng.shutdown()

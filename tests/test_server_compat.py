@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_server import LiveServer  # noqa: E402
-from tiny_models import make_llm, make_tiny_model  # noqa: E402
+from tiny_models import make_llm, make_tiny_model, wait_until  # noqa: E402
 
 from pagedllm.engine.async_engine import AsyncEngine  # noqa: E402
 from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
@@ -68,11 +67,13 @@ def metric_values(server) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def wait_idle(server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.engine.cached_stats().get("num_running", 1) or server.engine.cached_stats().get("num_waiting"):
-        assert time.monotonic() < deadline, server.engine.cached_stats()
-        time.sleep(0.05)
+def wait_idle(server, timeout: float = 60.0) -> None:
+    def idle() -> bool:
+        stats = server.engine.cached_stats()
+        return not stats.get("num_running", 1) and not stats.get("num_waiting")
+
+    wait_until(idle, lambda: f"the engine to go idle (last stats: {server.engine.cached_stats()})", timeout,
+               interval=0.05)
 
 
 # --- requests ------------------------------------------------------------------------------------------------
@@ -240,8 +241,15 @@ def test_metrics_names_and_values(server, client):
     client.completions.create(model="tiny", prompt="The fox jumps", max_tokens=5, n=2, temperature=0.5,
                               extra_body={"ignore_eos": True})
     wait_idle(server)
-    time.sleep(0.2)  # the gauges are refreshed by the loop every 50 ms
-    after = metric_values(server)
+
+    def refreshed() -> dict[tuple[str, tuple], float] | None:
+        """The metrics once the loop's gauge refresh (every 50 ms) has seen the request come and go."""
+        m = metric_values(server)
+        queried = m.get(("pagedllm_prefix_cache_queries_total", ()), 0.0) > before.get(
+            ("pagedllm_prefix_cache_queries_total", ()), 0.0)
+        return m if queried and m.get(("pagedllm_kv_cache_blocks", (("state", "used"),))) == 0 else None
+
+    after = wait_until(refreshed, "the gauges to show the request's prefix-cache queries and no block in use")
 
     def delta(name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -269,10 +277,8 @@ def test_stats_line_and_request_log(server, client, caplog):
     caplog.set_level(logging.INFO)
     client.completions.create(model="tiny", prompt="Copy on write keeps secrets", max_tokens=40,
                               extra_body={"ignore_eos": True})
-    deadline = time.monotonic() + 5
-    while not [r for r in caplog.records if r.name == "pagedllm.stats"]:
-        assert time.monotonic() < deadline, "no stats line"
-        time.sleep(0.05)
+    wait_until(lambda: [r for r in caplog.records if r.name == "pagedllm.stats"], "a pagedllm.stats log line",
+               interval=0.05)
     line = [r.getMessage() for r in caplog.records if r.name == "pagedllm.stats"][0]
     for part in ("Avg prompt throughput", "Avg generation throughput", "Running:", "Waiting:", "KV cache usage",
                  "Prefix cache hit rate", "Preemptions"):

@@ -141,6 +141,10 @@ class BlockPool:
         """Blocks with ref_cnt 0, cached or not."""
         return self.free_block_queue.num_free_blocks
 
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (evictable, reusable on a hit)."""
+        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take n blocks from the LRU head for new data (dropping their cached hashes); ref_cnt = 1."""
         if n < 0:

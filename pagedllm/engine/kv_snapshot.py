@@ -5,20 +5,20 @@ between two steps; one pass over the blocks and one over the free queue, no tens
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (llm_engine imports torch: only the type here)
+    from pagedllm.engine.llm_engine import LLMEngine
 
 FREE, CACHED = -1, -2  # cell codes; a code >= 0 is an index into "requests"
 
 
-def num_cached_free_blocks(kv: Any) -> int:
-    """Free blocks that still hold a cached prefix (evictable, reusable on a hit)."""
-    return sum(1 for b in kv.block_pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
-
-
-def kv_snapshot(engine: Any) -> dict[str, Any]:
+def kv_snapshot(engine: LLMEngine) -> dict[str, Any]:
     """JSON-ready: cells[i] = FREE | CACHED | request index; pos[i] = the block's index in that request's table
     (its tokens are pos*block_size ..); age[i] = place in the eviction order (0 = next) for free blocks;
-    shared = ids of blocks with ref count > 1; stats = kv_cache_stats() of the same moment."""
+    shared = ids of blocks with ref count > 1; stats = kv_cache_stats() of the same moment.
+    The whole engine, not only its KV manager: the stats and the running / waiting counts must be of the same
+    moment as the blocks, and AsyncEngine.call runs a function of the engine in the loop thread."""
     t0 = time.perf_counter()
     kv = engine.kv
     pool = kv.block_pool

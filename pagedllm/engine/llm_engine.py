@@ -22,7 +22,6 @@ from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from pagedllm.core.step import RunnerOutput, SamplerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.disk_tier import make_disk_tier
-from pagedllm.engine.kv_snapshot import num_cached_free_blocks
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.speculative import make_speculator
@@ -394,7 +393,7 @@ class LLMEngine:
         stats["kv_cache_dtype"] = self.kv_cache_dtype_name()
         stats["kv_bytes_per_token"] = self.kv_bytes_per_token()
         stats["num_preemptions"] = self.scheduler.num_preemptions
-        stats["num_cached_free_blocks"] = num_cached_free_blocks(self.kv)  # free, still holding a prefix
+        stats["num_cached_free_blocks"] = self.kv.block_pool.num_cached_free_blocks()  # free, still holding a prefix
         used, allocated = self._slot_samples  # sampled at every step, after scheduling
         stats["mean_slot_utilisation"] = used / allocated if allocated else 0.0
         spec = self.output_processor.spec_stats

@@ -6,35 +6,47 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.prompt_limits import max_token_chars
 from pagedllm.entrypoints.openai.validation import check_prompt_tokens, check_text_length
 from pagedllm.faults import as_exception, is_request_fault
+
+if TYPE_CHECKING:  # Ray is an extra
+    from pagedllm.distributed.client import DataParallelEngine
 
 T = TypeVar("T")
 
 
 class PromptPreprocessor:
-    def __init__(self, engine: Any, workers: int = 2) -> None:
-        """`engine` is the AsyncEngine; only its pure, thread-safe parts are used (tokenizer, chat template)."""
-        self.engine = engine
-        self.max_model_len: int = engine.max_model_len
-        self.chars_per_token = max_token_chars(engine.tokenizer)
+    def __init__(self, tokenizer: Any, max_model_len: int, render_chat: Callable[..., str],
+                 tokenize: Callable[[str], list[int]] | None = None, workers: int = 2) -> None:
+        """Only pure, thread-safe functions of the tokenizer run here. render_chat(messages, **options): the
+        chat template. tokenize: the engine's own (BOS handling included), whose ids add_request takes as
+        prompt_token_ids; None for an engine that tokenizes for itself (its prompts get only the checks)."""
+        self.tokenizer = tokenizer  # Any: transformers' or model/tokenizer.py's, which share no base class
+        self.max_model_len = max_model_len
+        self.chars_per_token = max_token_chars(tokenizer)
+        self._render_chat = render_chat
+        self._tokenize = tokenize
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedllm-prompt")
-        # AsyncEngine: the LLMEngine's own tokenize (BOS handling included), a pure function of the tokenizer
-        accepts_ids = "prompt_token_ids" in inspect.signature(engine.add_request).parameters
-        self._tokenize = getattr(getattr(engine, "engine", None), "tokenize", None) if accepts_ids else None
+
+    @classmethod
+    def for_engine(cls, engine: AsyncEngine | DataParallelEngine, workers: int = 2) -> PromptPreprocessor:
+        """The AsyncEngine's prompts are tokenized here, off its loop thread; the data-parallel client's by
+        the replica that runs them (its add_request takes no token ids)."""
+        tokenize = engine.engine.tokenize if isinstance(engine, AsyncEngine) else None
+        return cls(engine.tokenizer, engine.max_model_len, engine.apply_chat_template, tokenize, workers)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the pool (a native panic in it becomes an Exception)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, _guarded, fn, *args)
 
     async def render_chat(self, messages: list[dict], **template_options: Any) -> str:
-        return await self.run(functools.partial(self.engine.apply_chat_template, messages, **template_options))
+        return await self.run(functools.partial(self._render_chat, messages, **template_options))
 
     async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> dict[str, Any]:
         """The prompt's token ids as add_request keywords; a 400 as soon as its length shows it cannot fit in
@@ -51,7 +63,7 @@ class PromptPreprocessor:
 
     async def token_ids(self, prompt: str) -> list[int]:
         """The prompt's token ids as the engine counts them, unchecked (for count_tokens)."""
-        return await self.run(self._tokenize or self.engine.tokenizer.encode, prompt)
+        return await self.run(self._tokenize or self.tokenizer.encode, prompt)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.distributed.args import DataParallelArgs
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.startup_summary import startup_summary
 from pagedllm.entrypoints.openai.anthropic.serving import AnthropicServingMessages, add_messages_routes
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, internal_error
 from pagedllm.entrypoints.openai.kv_page import add_kv_routes
@@ -44,7 +45,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
-from pagedllm.metrics import CONTENT_TYPE_LATEST, startup_summary
+from pagedllm.metrics import CONTENT_TYPE_LATEST
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     names = names or [async_engine.model_name]
     name = names[0]
     gate = ShutdownGate()  # closed by lifecycle.Server at the graceful-shutdown deadline
-    preprocess = PromptPreprocessor(async_engine)
+    preprocess = PromptPreprocessor.for_engine(async_engine)
     completion = OpenAIServingCompletion(async_engine, names, preprocess=preprocess, gate=gate)
     chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
     tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)

@@ -171,7 +171,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: str | list[str], *,
                  preprocess: PromptPreprocessor | None = None, gate: ShutdownGate | None = None) -> None:
         self.engine = engine
-        self.preprocess = preprocess or PromptPreprocessor(engine)
+        self.preprocess = preprocess or PromptPreprocessor.for_engine(engine)
         self.gate = gate  # closed at the graceful-shutdown deadline: running responses end themselves
         names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         self.served_model_names = names or [engine.model_name]
