@@ -26,9 +26,10 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.qkv = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype, method)
         self.o = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, method)
-        if cfg.qk_norm:
-            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        if cfg.qk_norm:  # per head, or over every head's projection at once (qk_norm_whole)
+            whole = cfg.qk_norm_whole
+            self.q_norm = norm(cfg.q_size if whole else cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = norm(cfg.kv_size if whole else cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.scale = cfg.attn_scale
         self.window = window
 
@@ -36,10 +37,12 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         c = self.cfg
         q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)
-        k = k.view(-1, c.num_kv_heads, c.head_dim)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
+        if c.qk_norm and c.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(-1, c.num_heads, c.head_dim)
+        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm and not c.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)

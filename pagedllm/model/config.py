@@ -39,6 +39,13 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    qk_norm_whole: bool = False  # the q/k norm spans every head's projection at once (OLMoE), not one head
+    # mixture of experts (0 experts: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # the top k each token uses
+    moe_intermediate_size: int = 0  # one expert's width
+    norm_topk_prob: bool = False  # the k chosen weights renormalised to sum to 1
+    dense_layers: list[int] = field(default_factory=list)  # layers of an MoE model whose MLP is dense
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,6 +57,12 @@ class ModelConfig:
                                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise InvalidModelError(f"{self.num_experts_per_tok} experts per token is outside [1, "
+                                    f"{self.num_experts}] (the experts per layer)", field="num_experts_per_tok")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None where it attends to its whole context."""
@@ -70,7 +83,8 @@ class ModelConfig:
                 registry.ROPE_SCALING: self.rope_scaling is not None,
                 # a window no context can exceed changes nothing
                 registry.SLIDING_WINDOW: any((self.layer_window(i) or self.max_position_embeddings)
-                                             < self.max_position_embeddings for i in range(self.num_layers))}
+                                             < self.max_position_embeddings for i in range(self.num_layers)),
+                registry.MOE: self.num_experts > 0, registry.QK_NORM_WHOLE: self.qk_norm_whole}
         return {name for name, on in used.items() if on}
 
     @property
@@ -118,6 +132,10 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         raise UnsupportedModelError("mlp_bias=True is not supported")
     if cfg.get("attn_logit_softcapping"):
         raise UnsupportedModelError("attention logit softcapping is not supported")
+    if cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError("clip_qkv is not supported")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts are not supported")
     sliding = cfg.get("sliding_window")
     if spec.window_switch and not cfg.get(spec.window_switch, False):
         sliding = None
@@ -150,16 +168,35 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        qk_norm_whole=spec.qk_norm_whole,
+        **_hf_experts(cfg, spec, num_layers),
     )
     spec.check_features(config.features())
     return config
+
+
+def _hf_experts(cfg: dict[str, Any], spec: registry.ArchSpec, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (transformers 4.x `num_experts`, 5.x `num_local_experts`);
+    none for a dense model."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    renormalize = spec.moe_renormalize if spec.moe_renormalize is not None else bool(cfg.get("norm_topk_prob"))
+    return dict(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                norm_topk_prob=renormalize,
+                dense_layers=[i for i in range(num_layers) if i in mlp_only or (i + 1) % step])
 
 
 # config.json key -> config_checks field, for the numbers that size the model
 _HF_INTS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
             "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
             "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
-            "sliding_window": "sliding_window"}
+            "sliding_window": "sliding_window", "num_experts": "num_experts", "num_local_experts": "num_experts",
+            "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+            "decoder_sparse_step": "decoder_sparse_step"}
 
 
 def _check_hf_numbers(cfg: dict[str, Any]) -> None:

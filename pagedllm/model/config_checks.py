@@ -23,6 +23,10 @@ INT_LIMITS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),
     "max_position_embeddings": (1, 1 << 24),
     "sliding_window": (1, 1 << 24),
+    "num_experts": (1, 1 << 12),
+    "num_experts_per_tok": (1, 1 << 12),
+    "moe_intermediate_size": (1, 1 << 20),
+    "decoder_sparse_step": (1, 1024),
 }
 # field -> exclusive upper bound of a finite, positive float
 FLOAT_LIMITS: dict[str, float] = {

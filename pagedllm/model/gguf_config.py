@@ -63,10 +63,18 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         raise UnsupportedModelError("attention logit softcapping is not supported", path=f.path,
                                     field=f"{arch}.attn_logit_softcapping")
     _check_layers(f, num_layers)
+    experts = _experts(f, spec, num_layers, ffn, num)
     dims = {f"{arch}.embedding_length": hidden, f"{arch}.attention.head_count": heads,
             f"{arch}.attention.head_count_kv": kv_heads, f"{arch}.attention.key_length": head_dim,
             f"{arch}.feed_forward_length": ffn, "vocabulary": vocab}
-    _check_shapes(f, dims, vocab=vocab, hidden=hidden, q=heads * head_dim, kv=kv_heads * head_dim, ffn=ffn)
+    if experts:
+        dims |= {f"{arch}.expert_count": experts["num_experts"],
+                 f"{arch}.expert_feed_forward_length": experts["moe_intermediate_size"]}
+    q, kv = heads * head_dim, kv_heads * head_dim
+    want = _tensor_shapes(vocab=vocab, hidden=hidden, q=q, kv=kv, ffn=ffn,
+                          qk_norm=(q, kv) if spec.qk_norm_whole else (head_dim, head_dim),
+                          experts=experts.get("num_experts", 0), expert_ffn=experts.get("moe_intermediate_size", 0))
+    _check_shapes(f, dims, want)
     pattern = spec.sliding_window_pattern
     eos = [check_token_id(m[k], vocab, k, fail) for k in ("tokenizer.ggml.eos_token_id",
                                                          "tokenizer.ggml.eot_token_id") if k in m]
@@ -91,6 +99,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         layer_types=pattern_layer_types(num_layers, pattern) if window and pattern else None,
         rope_local_theta=spec.gguf_rope_local_theta,
         final_logit_softcapping=softcap,
+        qk_norm_whole=spec.qk_norm_whole,
+        **experts,
         eos_token_ids=list(dict.fromkeys(eos)),
         bos_token_id=None if bos is None else check_token_id(bos, vocab, "tokenizer.ggml.bos_token_id", fail),
     )
@@ -168,13 +178,45 @@ def _check_layers(f: GGUFFile, num_layers: int) -> None:
                                  f"({len(found)} in all; unexpected {extra}, missing {missing})")
 
 
-def _check_shapes(f: GGUFFile, dims: dict[str, int], *, vocab: int, hidden: int, q: int, kv: int, ffn: int) -> None:
-    """The tensors that size the model have the shapes the metadata (`dims`, named as the file names them)
-    implies (torch order: rows first)."""
+def _experts(f: GGUFFile, spec: registry.ArchSpec, num_layers: int, ffn: int, num) -> dict[str, Any]:
+    """The mixture-of-experts fields (none for a dense file). A layer is sparse where it has a router
+    (ffn_gate_inp); top-k must lie in [1, expert_count]; the weights are renormalised as llama.cpp's graph does for
+    the architecture, unless the file says (expert_weights_norm)."""
+    arch = f.architecture
+    if not f.metadata.get(f"{arch}.expert_count"):
+        if any(".ffn_gate_inp." in name or "_exps." in name for name in f.tensors):
+            raise f.field_error(f"{arch}.expert_count", "missing, but the file holds expert tensors")
+        return {}
+    experts = num("expert_count", "num_experts")
+    top_k = num("expert_used_count", "num_experts_per_tok")
+    if top_k > experts:
+        raise f.field_error(f"{arch}.expert_used_count", f"{top_k} experts per token, but {arch}.expert_count "
+                                                         f"is {experts}")
+    renormalize = f.metadata.get(f"{arch}.expert_weights_norm", spec.gguf_moe_renormalize)
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=num("expert_feed_forward_length", "moe_intermediate_size", ffn),
+                norm_topk_prob=bool(renormalize),
+                dense_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors])
+
+
+def _tensor_shapes(*, vocab: int, hidden: int, q: int, kv: int, ffn: int, qk_norm: tuple[int, int], experts: int,
+                   expert_ffn: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name (within a layer) -> the shape the metadata implies (torch order: rows first)."""
     want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
             "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
             "attn_output.weight": (hidden, q), "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden),
-            "ffn_down.weight": (hidden, ffn)}
+            "ffn_down.weight": (hidden, ffn), "attn_q_norm.weight": (qk_norm[0],),
+            "attn_k_norm.weight": (qk_norm[1],)}
+    if experts:
+        want |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_exps.weight": (experts, expert_ffn, hidden),
+                 "ffn_up_exps.weight": (experts, expert_ffn, hidden),
+                 "ffn_down_exps.weight": (experts, hidden, expert_ffn)}
+    return want
+
+
+def _check_shapes(f: GGUFFile, dims: dict[str, int], want: dict[str, tuple[int, ...]]) -> None:
+    """The tensors that size the model have the shapes the metadata (`dims`, named as the file names them)
+    implies."""
     for name, t in f.tensors.items():
         shape = want.get(name.split(".", 2)[2] if _LAYER.match(name) else name)
         if shape is not None and tuple(t.shape) != shape:

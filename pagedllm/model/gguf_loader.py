@@ -48,6 +48,25 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 _PERMUTED_Q, _PERMUTED_K = ".attn_q.weight", ".attn_k.weight"
 
 
+def _expert_views(f: GGUFFile, info: GGUFTensorInfo) -> list:
+    """A stacked expert tensor [E, rows, cols] as stored: one QuantTensor per expert, a view of its own rows of
+    the mapping (an owned copy where it will not be packed)."""
+    from pagedllm.quantization.tensor import QuantTensor, bytes_view, row_bytes
+
+    experts, rows, cols = info.shape
+    nbytes = rows * row_bytes(info.ggml_type, cols)
+    views = []
+    for e in range(experts):
+        offset = info.offset + e * nbytes
+        view = QuantTensor(bytes_view(f.blob, offset, rows, nbytes // rows), info.ggml_type, cols,
+                           partial(f.release_pages, offset, nbytes))
+        if not view.packable:
+            view = QuantTensor(view.data.clone(), info.ggml_type, cols)
+            f.release_pages(offset, nbytes)
+        views.append(view)
+    return views
+
+
 def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) -> Iterator[tuple[str, Any]]:
     """(GGUF name, tensor) pairs, Q/K rows back in the HF (rotate-half) order, norm weights back to what HF
     checkpoints store. Tensors are dequantised, except with as_stored, where matrices in a block format the
@@ -59,7 +78,9 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
     spec = registry.spec(cfg.architecture)
     permuted = spec.gguf_permuted_qk
     for name, info in f.tensors.items():
-        if as_stored and len(info.shape) == 2 and runs_as_stored(info.ggml_type, info.shape[1]):
+        if len(info.shape) == 3 and as_stored and runs_as_stored(info.ggml_type, info.shape[2]):
+            yield name, _expert_views(f, info)  # each view releases its own pages once packed (or is copied)
+            continue
             rows, cols = info.shape
             w = QuantTensor(bytes_view(f.blob, info.offset, rows, row_bytes(info.ggml_type, cols)),
                             info.ggml_type, cols, partial(f.release_pages, info.offset, info.nbytes))

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2; with a mixture-of-experts MLP: Qwen3-MoE,
+Mixtral, OLMoE) over the paged KV cache.
 
 It sees one flat batch of new tokens (no padding, no request objects); attention reads and writes the
 per-layer KV pools through the AttentionMetadata.
@@ -18,16 +19,19 @@ from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP
+from pagedllm.model.moe import SparseMoE
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod | None = None,
-                 window: int | None = None):
+                 window: int | None = None, moe: bool = False):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, method, window=window)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, method)
+        self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                              cfg.norm_topk_prob, dtype, method) if moe
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, method))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -53,7 +57,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", linear_method: LinearMethod | None = None):
         super().__init__(cfg, dtype, attention_backend, linear_method)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, linear_method, cfg.layer_window(i))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, linear_method, cfg.layer_window(i), cfg.is_moe_layer(i))
                                     for i in range(cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         init_fused_layers(self)

@@ -121,7 +121,7 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention
     # run in parallel, even beside other busy processes (BENCHMARKS.md, issue 29).
     with torch.no_grad():
         try:
-            load_weights(model, weights, table, cfg.num_layers)
+            load_weights(model, weights, table, cfg.num_layers, cfg.num_experts)
         except InvalidModelError:
             raise
         except ValueError as e:

@@ -15,6 +15,7 @@ from pagedllm.model.errors import UnsupportedModelError  # noqa: F401  (raised h
 # Features a checkpoint may use (ModelConfig.features() lists the ones it does use).
 QKV_BIAS, O_BIAS, QK_NORM = "qkv_bias", "o_bias", "qk_norm"
 SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddings", "rope_scaling"
+MOE, QK_NORM_WHOLE = "moe", "qk_norm_whole"  # experts in the MLP; q/k norm over the whole projection (OLMoE)
 
 # What decoder_layer.cpp computes: a pre-norm layer (Llama's or Gemma 3's) with these optional parts. A model runs
 # its layers fused only when its spec says its layer is one of those and its config uses nothing outside this set.
@@ -38,6 +39,9 @@ class ArchSpec:
     gguf_norm_shift: float = 0.0  # llama.cpp's converter stored norm weights plus this (Gemma: 1 + w)
     sliding_window_pattern: int | None = None  # every n-th layer global, where a checkpoint does not list them
     gguf_rope_local_theta: float | None = None  # RoPE base of sliding layers (GGUF files do not store it)
+    moe_renormalize: bool | None = None  # the top-k weights renormalised whatever config.json says (Mixtral)
+    gguf_moe_renormalize: bool = False  # what llama.cpp's graph does for the architecture (a file may say)
+    qk_norm_whole: bool = False  # the q/k norm spans all heads' projection (OLMoE), not one head
 
     def model_cls(self) -> type:
         module, cls = self.model_class.split(":")
@@ -58,10 +62,17 @@ _LLAMA_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", hf_nam
                      gguf_names=_LLAMA_GGUF, fused_layer=True,
                      supports=frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}))
 _GEMMA3_HF, _GEMMA3_GGUF = weight_names.by_format(weight_names.GEMMA3)
+_MOE_HF, _MOE_GGUF = weight_names.by_format(weight_names.LLAMA_MOE)
+_MIXTRAL_HF, _ = weight_names.by_format(weight_names.MIXTRAL)
+# the llama family's layer with its MLP a mixture of experts (the torch layers: the fused C++ layer has no experts)
+_MOE_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", gguf_names=_MOE_GGUF,
+                   supports=_LLAMA_FAMILY["supports"] | {MOE})
 
 ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
+    # GGUF "llama" also holds Mixtral (llama.cpp's converter writes it so, with expert tensors)
     ArchSpec("llama", hf_architectures=("LlamaForCausalLM",), gguf_architectures=("llama",),
-             gguf_permuted_qk=True, **_LLAMA_FAMILY),
+             gguf_permuted_qk=True, gguf_moe_renormalize=True,
+             **{**_LLAMA_FAMILY, "gguf_names": _MOE_GGUF, "supports": _MOE_FAMILY["supports"]}),
     ArchSpec("mistral", hf_architectures=("MistralForCausalLM",), gguf_architectures=("mistral",),
              gguf_permuted_qk=True, **_LLAMA_FAMILY),
     ArchSpec("qwen2", hf_architectures=("Qwen2ForCausalLM",), gguf_architectures=("qwen2",),
@@ -72,6 +83,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
              gguf_architectures=("gemma3",), hf_names=_GEMMA3_HF, gguf_names=_GEMMA3_GGUF, fused_layer=True,
              supports=frozenset({QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}), always_qk_norm=True,
              gguf_norm_shift=1.0, sliding_window_pattern=6, gguf_rope_local_theta=10000.0),
+    ArchSpec("qwen3moe", hf_architectures=("Qwen3MoeForCausalLM",), gguf_architectures=("qwen3moe",),
+             hf_names=_MOE_HF, always_qk_norm=True, window_switch="use_sliding_window", gguf_moe_renormalize=True,
+             **_MOE_FAMILY),
+    ArchSpec("mixtral", hf_architectures=("MixtralForCausalLM",), gguf_architectures=(), hf_names=_MIXTRAL_HF,
+             moe_renormalize=True, **_MOE_FAMILY),
+    ArchSpec("olmoe", hf_architectures=("OlmoeForCausalLM",), gguf_architectures=("olmoe",), hf_names=_MOE_HF,
+             always_qk_norm=True, qk_norm_whole=True,
+             **{**_MOE_FAMILY, "supports": _MOE_FAMILY["supports"] | {QK_NORM_WHOLE}}),
 )}
 
 

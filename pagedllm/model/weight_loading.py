@@ -27,12 +27,33 @@ def _has_target(model: nn.Module, path: str) -> bool:
     return isinstance(getattr(owner, leaf, None), nn.Parameter)
 
 
+def _load_one(model: nn.Module, path: str, shard: int | None, tensor: torch.Tensor | QuantTensor, name: str) -> None:
+    owner, leaf = _owner(model, path)
+    if isinstance(owner, Linear):
+        owner.load_weight(leaf, tensor, shard, name)
+    elif isinstance(tensor, QuantTensor):  # an embedding table kept in its stored blocks (also a tied head)
+        tensor.packed().replace_parameter(owner, leaf, name)
+    else:
+        load_dense(getattr(owner, leaf), tensor, name)
+
+
+def _experts_of(stacked: torch.Tensor | list[QuantTensor], num_experts: int, name: str):
+    """The per-expert pieces of a stacked expert tensor (a 3-D dense tensor, or the loader's list of per-expert
+    QuantTensors), after checking there is one per expert."""
+    count = len(stacked) if isinstance(stacked, list) else (stacked.shape[0] if stacked.dim() == 3 else -1)
+    if count != num_experts:
+        shape = [len(stacked), *stacked[0].shape] if isinstance(stacked, list) else list(stacked.shape)
+        raise ValueError(f"weight {name!r}: shape {tuple(shape)} does not stack {num_experts} experts "
+                         f"(the config's expert count)")
+    return stacked if isinstance(stacked, list) else stacked.unbind(0)
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], table: dict[str, Target],
-                 num_layers: int) -> None:
+                 num_layers: int, num_experts: int = 0) -> None:
     """Put every checkpoint tensor where `table` says. Raises ValueError on a name the table does not know or the
     model has no place for, on a shape that does not fit, and on weights the model needs that never came."""
-    names = expand(table, num_layers)
-    expected = {name for name, (path, _) in names.items() if _has_target(model, path)}
+    names = expand(table, num_layers, num_experts)
+    expected = {name for name, (path, _) in names.items() if _has_target(model, path.replace("{e}", "0"))}
     seen: set[str] = set()
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (name in TIED_COPIES and name not in expected):
@@ -40,13 +61,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if name not in expected:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         path, shard = names[name]
-        owner, leaf = _owner(model, path)
-        if isinstance(owner, Linear):
-            owner.load_weight(leaf, tensor, shard, name)
-        elif isinstance(tensor, QuantTensor):  # an embedding table kept in its stored blocks (also a tied head)
-            tensor.packed().replace_parameter(owner, leaf, name)
+        if "{e}" in path:  # every expert's tensor of a layer, stacked (GGUF)
+            for e, piece in enumerate(_experts_of(tensor, num_experts, name)):
+                _load_one(model, path.replace("{e}", str(e)), shard, piece, f"{name}[{e}]")
         else:
-            load_dense(getattr(owner, leaf), tensor, name)
+            _load_one(model, path, shard, tensor, name)
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:

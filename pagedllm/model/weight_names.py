@@ -43,6 +43,26 @@ LLAMA: list[Row] = _COMMON + [
     ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", "layers.{i}.attn.o.bias"),
 ]
 
+# the mixture-of-experts MLP (Qwen3-MoE, OLMoE; GGUF: every MoE family): a router and E experts, "{e}" the expert
+# index. GGUF stacks the experts of a layer in one 3-D tensor, split by the loader (weight_loading.py).
+_MOE_ROUTER = "layers.{i}.mlp.router.weight"
+_EXPERT_GATE_UP, _EXPERT_DOWN = "layers.{i}.mlp.experts.{e}.gate_up.weight", "layers.{i}.mlp.experts.{e}.down.weight"
+LLAMA_MOE: list[Row] = LLAMA + [
+    ("model.layers.{i}.mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight", _MOE_ROUTER),
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "blk.{i}.ffn_gate_exps.weight", (_EXPERT_GATE_UP, GATE)),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "blk.{i}.ffn_up_exps.weight", (_EXPERT_GATE_UP, UP)),
+    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "blk.{i}.ffn_down_exps.weight", _EXPERT_DOWN),
+]
+# Mixtral's HF names (w1 gate, w3 up, w2 down); its GGUF names are LLAMA_MOE's
+MIXTRAL: list[Row] = LLAMA + [
+    ("model.layers.{i}.block_sparse_moe.gate.weight", "blk.{i}.ffn_gate_inp.weight", _MOE_ROUTER),
+    ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", "blk.{i}.ffn_gate_exps.weight",
+     (_EXPERT_GATE_UP, GATE)),
+    ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", "blk.{i}.ffn_up_exps.weight",
+     (_EXPERT_GATE_UP, UP)),
+    ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "blk.{i}.ffn_down_exps.weight", _EXPERT_DOWN),
+]
+
 # Gemma 3: norms before and after both attention and MLP (HF's "post_attention_layernorm" is not Llama's)
 GEMMA3: list[Row] = _COMMON + [
     ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight"),
@@ -66,12 +86,18 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight")
 TIED_COPIES = ("lm_head.weight",)
 
 
-def expand(table: dict[str, Target], num_layers: int) -> dict[str, tuple[str, int | None]]:
-    """The table with "{i}" spelled out for every layer, each target as (path, shard or None)."""
+def expand(table: dict[str, Target], num_layers: int, num_experts: int = 0) -> dict[str, tuple[str, int | None]]:
+    """The table with "{i}" spelled out for every layer and "{e}" for every expert, each target as (path, shard or
+    None). A target that keeps "{e}" (its name has none) is a stack of every expert's tensor."""
     out: dict[str, tuple[str, int | None]] = {}
     for name, target in table.items():
         path, shard = (target, None) if isinstance(target, str) else target
         layers = range(num_layers) if "{i}" in name else (0,)
+        experts = range(num_experts) if "{e}" in name else (None,)
         for i in layers:
-            out[name.replace("{i}", str(i))] = (path.replace("{i}", str(i)), shard)
+            for e in experts:
+                key, where = name.replace("{i}", str(i)), path.replace("{i}", str(i))
+                if e is not None:
+                    key, where = key.replace("{e}", str(e)), where.replace("{e}", str(e))
+                out[key] = (where, shard)
     return out

@@ -1,0 +1,66 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks k experts per token, each a gated MLP
+kept in the checkpoint's form (dense, or GGUF blocks as stored), and the token's output is the weighted sum of
+its experts' outputs.
+
+The rows of a step are grouped by expert (a stable counting sort of the (token, slot) pairs), so each chosen
+expert multiplies its weights once for all of its tokens and an expert nobody chose costs nothing. Every token's
+result depends on its own row alone: its routing is row-local, each expert's GEMM computes a row the same way
+whatever else is in it (the kernels' invariant mode), and the k weighted outputs are summed in slot order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.model.linear import Linear, LinearMethod
+from pagedllm.model.mlp import GatedMLP
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int64): softmax over all experts, the k
+    most probable (on a tie the lower expert id first, in every batch), renormalised to sum to 1 when asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, experts = weights[:, :k], experts[:, :k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor]]:
+    """experts [T, k] -> [(expert, its (token * k + slot) indices)] for every expert chosen at least once, in
+    expert order, each expert's indices in token order."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, order[start:start + n]))
+            start += n
+    return groups
+
+
+class SparseMoE(nn.Module):
+    """router: Linear(H, E); experts: E gated MLPs of width `intermediate`."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
+                 dtype: torch.dtype, method: LinearMethod | None = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.router = Linear(hidden, num_experts, False, dtype, method)
+        self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, dtype, method) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.router(x), self.top_k, self.renormalize)
+        k = self.top_k
+        slots = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype)  # row t * k + j: slot j of token t
+        w = weights.reshape(-1, 1).to(x.dtype)
+        for e, idx in group_by_expert(experts, self.num_experts):
+            slots[idx] = self.experts[e](x[idx // k]) * w[idx]
+        slots = slots.view(x.shape[0], k, x.shape[1])
+        out = slots[:, 0].clone()
+        for j in range(1, k):  # slot order: the same sum for a token in every batch
+            out += slots[:, j]
+        return out

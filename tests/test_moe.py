@@ -1,0 +1,314 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) from GGUF, and the MoE block's routing.
+
+Tiny random transformers checkpoints are written to GGUF the way llama.cpp's converter writes them (experts
+stacked in 3-D tensors, a router per layer, Mixtral as arch "llama" with Q/K permuted), by our own writer below and,
+where `make bench-setup` built it, by llama.cpp's `convert_hf_to_gguf.py`. The HF-directory path of the same
+architectures is in tests/test_model_hf.py."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagedllm.attention import build_attention_metadata
+from pagedllm.kernels import kernel_mode
+from pagedllm.model import allocate_kv_caches, load_model
+from pagedllm.model.errors import InvalidModelError
+from pagedllm.model.moe import SparseMoE, group_by_expert, route
+
+V = 128
+ARCHS = {"qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}  # ours -> GGUF architecture
+
+
+def hf_moe(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random transformers model whose activations are O(1) (default init gives near-zero logits)."""
+    import transformers as tf
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=V, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)
+    if arch == "qwen3moe":  # GGUF qwen3moe renormalises the top k (llama.cpp's graph): so does this checkpoint
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                norm_topk_prob=True, mlp_only_layers=[1])
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    else:
+        cfg = tf.OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / (1.0 if "embed" in name else p.shape[-1] ** 0.5))
+    return model
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rope pairs of Llama-arch Q/K rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+          "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+          "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+          "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+          "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
+          "mlp.gate.weight": "ffn_gate_inp", "block_sparse_moe.gate.weight": "ffn_gate_inp"}
+_EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def write_moe_gguf(hf: torch.nn.Module, arch: str, path: str, matrix_type: Q = Q.F32, **metadata_overrides) -> None:
+    """The checkpoint as llama.cpp's converter lays it out: experts stacked per layer [E, rows, cols], matrices
+    in `matrix_type` (norms and the router stay F32, as llama-quantize leaves them)."""
+    c = hf.config
+    garch = ARCHS[arch]
+    experts = getattr(c, "num_experts", None) or c.num_local_experts
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    meta = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+            "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+            "attention.key_length": head_dim, "attention.value_length": head_dim,
+            "rope.freq_base": float(c.rope_parameters["rope_theta"]), "attention.layer_norm_rms_epsilon": c.rms_norm_eps, "vocab_size": V,
+            "expert_count": experts, "expert_used_count": c.num_experts_per_tok}
+    if arch == "qwen3moe":
+        meta["expert_feed_forward_length"] = c.moe_intermediate_size
+    meta |= metadata_overrides
+    w = gguf.GGUFWriter(path, garch)
+    for key, value in meta.items():
+        if value is not None:
+            w.add_key_value(f"{garch}.{key}", value, gguf.GGUFValueType.FLOAT32 if isinstance(value, float)
+                            else gguf.GGUFValueType.UINT32)
+
+    def add(name: str, arr: np.ndarray) -> None:
+        if arr.ndim == 1 or "ffn_gate_inp" in name or matrix_type == Q.F32:
+            w.add_tensor(name, arr.astype(np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), matrix_type), raw_dtype=matrix_type)
+
+    state = _checkpoint(hf, path + ".hf")
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, arr in state.items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name], arr)
+            continue
+        parts = name.split(".")
+        i, rest = parts[2], ".".join(parts[3:])
+        if ".experts." in rest:  # model.layers.i.(mlp|block_sparse_moe).experts.e.w.weight
+            e, kind = int(parts[5]), parts[6]
+            stacks.setdefault((i, _EXPERT[kind]), {})[e] = arr
+            continue
+        if garch == "llama" and rest == "self_attn.q_proj.weight":
+            arr = _permute(arr, c.num_attention_heads)
+        elif garch == "llama" and rest == "self_attn.k_proj.weight":
+            arr = _permute(arr, c.num_key_value_heads)
+        add(f"blk.{i}.{_LAYER[rest]}.weight", arr)
+    for (i, kind), by_expert in stacks.items():
+        add(f"blk.{i}.{kind}.weight", np.stack([by_expert[e] for e in range(len(by_expert))]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _checkpoint(hf: torch.nn.Module, directory: str) -> dict[str, np.ndarray]:
+    """The tensors as a checkpoint stores them (one per expert: transformers 5 fuses them in memory)."""
+    from safetensors.numpy import load_file
+
+    hf.save_pretrained(directory)
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
+    bs = 16
+    kv = allocate_kv_caches(loaded.config, bs, loaded.dtype, num_blocks=8)
+    n = len(tokens)
+    meta = build_attention_metadata([[5, 2, 7, 0][: -(-n // bs)]], [0], [n], bs)
+    return loaded.model.compute_logits(loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta))
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, V, n).tolist()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gguf_moe_matches_transformers(tmp_path, arch):
+    hf = hf_moe(arch)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_moe_gguf(hf, arch, path)
+    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
+    cfg = ours.config
+    assert cfg.num_experts == (4 if arch == "mixtral" else 8)
+    assert cfg.num_experts_per_tok == hf.config.num_experts_per_tok
+    assert cfg.norm_topk_prob == (arch != "olmoe")
+    assert cfg.dense_layers == ([1] if arch == "qwen3moe" else [])
+    tokens = _tokens(37, 1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert ref.abs().max() > 1.0  # the comparison means something
+    got = paged_logits(ours, tokens)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_experts_as_stored_match_dequantized(tmp_path, arch):
+    """Q8_0 experts run as stored (one quantized GEMM per chosen expert) give the dequantized file's logits,
+    within the int8 activations' error."""
+    path = str(tmp_path / f"{arch}.q8.gguf")
+    write_moe_gguf(hf_moe(arch, seed=1), arch, path, Q.Q8_0)
+    want = paged_logits(load_model(path, "float32", attention_backend="reference", load_tokenizer=False,
+                                   quantization="none"), tokens := _tokens(29, 2))
+    stored = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="gguf")
+    from pagedllm.quantization.tensor import QuantTensor
+
+    expert = stored.model.layers[0].mlp.experts[0]
+    assert all(isinstance(s, QuantTensor) for s in expert.gate_up.segments + expert.down.segments)
+    got = paged_logits(stored, tokens)
+    err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    # a near-tie between two experts may go the other way with int8 activations: most rows agree closely
+    assert err.median().item() < 0.03, f"relative logit errors {err.tolist()}"
+
+
+def _llama_cpp_converter() -> str | None:
+    found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_llama_cpp_converted_file_matches_transformers(tmp_path, arch):
+    converter = _llama_cpp_converter()
+    if converter is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
+    hf = hf_moe(arch)
+    hf.save_pretrained(tmp_path / "hf")
+    from tiny_models import make_tokenizer
+
+    make_tokenizer(V).save_pretrained(tmp_path / "hf")
+    out = str(tmp_path / "converted.gguf")
+    subprocess.run([sys.executable, converter, str(tmp_path / "hf"), "--outfile", out, "--outtype", "f32"],
+                   check=True, capture_output=True)
+    ours = load_model(out, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
+    tokens = _tokens(23, 3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
+
+
+# ---- bad files -------------------------------------------------------------------------------------------------
+
+def test_expert_count_that_disagrees_with_the_tensors_is_refused(tmp_path):
+    path = str(tmp_path / "bad.gguf")
+    write_moe_gguf(hf_moe("olmoe"), "olmoe", path, expert_count=6)
+    with pytest.raises(InvalidModelError, match=r"ffn_gate_inp.weight.*\(8, 64\).*\(6, 64\)"):
+        load_model(path, load_tokenizer=False, quantization="none")
+
+
+def test_top_k_above_the_expert_count_is_refused(tmp_path):
+    path = str(tmp_path / "bad.gguf")
+    write_moe_gguf(hf_moe("mixtral"), "mixtral", path, expert_used_count=5)
+    with pytest.raises(InvalidModelError, match="expert_used_count.*5 experts per token.*expert_count is 4"):
+        load_model(path, load_tokenizer=False)
+
+
+def test_expert_width_that_disagrees_is_refused(tmp_path):
+    path = str(tmp_path / "bad.gguf")
+    write_moe_gguf(hf_moe("qwen3moe"), "qwen3moe", path, expert_feed_forward_length=48)
+    with pytest.raises(InvalidModelError, match=r"ffn_\w+_exps.weight'.*\(8, (32, 64|64, 32)\).*\(8, (48, 64|64, 48)\)"):
+        load_model(path, load_tokenizer=False)
+
+
+def test_expert_tensors_without_an_expert_count_are_refused(tmp_path):
+    path = str(tmp_path / "bad.gguf")
+    write_moe_gguf(hf_moe("olmoe"), "olmoe", path, expert_count=None)
+    with pytest.raises(InvalidModelError, match="expert_count: missing"):
+        load_model(path, load_tokenizer=False)
+
+
+# ---- routing ---------------------------------------------------------------------------------------------------
+
+def test_route_breaks_ties_by_expert_id_and_renormalises():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    w, e = route(logits, 2, renormalize=False)
+    assert e.tolist() == [[1, 2], [0, 1]]
+    probs = torch.softmax(logits, -1)
+    assert torch.allclose(w, probs.gather(1, e))
+    w, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(w, torch.full_like(w, 0.5))
+
+
+def test_route_with_k_equal_to_the_expert_count():
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    w, e = route(logits, 4, renormalize=True)
+    assert sorted(e[0].tolist()) == [0, 1, 2, 3]
+    assert torch.allclose(w.sum(-1), torch.ones(6))
+
+
+def test_group_by_expert_covers_every_slot_once_in_token_order():
+    experts = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    groups = group_by_expert(experts, 4)
+    assert [(e, idx.tolist()) for e, idx in groups] == [(0, [1, 4]), (1, [3]), (2, [0, 2, 5])]  # expert 3: none
+
+
+def _moe(num_experts: int, top_k: int, seed: int) -> SparseMoE:
+    moe = SparseMoE(16, 24, num_experts, top_k, renormalize=True, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return moe
+
+
+def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token in float64: the sum over its chosen experts of weight x expert(x)."""
+    out = []
+    for row in x.double():
+        logits = row @ moe.router.weight.double().t()
+        w, e = route(logits[None], moe.top_k, moe.renormalize)
+        acc = torch.zeros_like(row)
+        for weight, expert in zip(w[0].tolist(), e[0].tolist(), strict=True):
+            mlp = moe.experts[expert]
+            gu = row @ mlp.gate_up.weight.double().t()
+            act = torch.nn.functional.silu(gu[:mlp.intermediate]) * gu[mlp.intermediate:]
+            acc += weight * (act @ mlp.down.weight.double().t())
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("case", ["random", "all_pick_one", "k_equals_experts", "lone_expert"])
+def test_moe_block_rows_are_the_same_alone_and_batched(case):
+    """Each token's output equals the float64 per-token reference, and is bitwise the same computed alone as in
+    any batch (invariant kernels): every token picking one expert, top-k = every expert, and one token whose
+    expert nobody else picked."""
+    g = torch.Generator().manual_seed(1)
+    moe = _moe(4 if case == "k_equals_experts" else 6, 4 if case == "k_equals_experts" else 2, seed=2)
+    x = torch.randn(9, 16, generator=g)
+    if case == "all_pick_one":  # a router that favours expert 3 for everyone
+        with torch.no_grad():
+            moe.router.weight.zero_()
+            moe.router.weight[3] = x.mean(0) * 10
+            moe.router.weight[1] = x.mean(0) * 5
+        x = x + 2 * x.mean(0)
+    with torch.no_grad(), kernel_mode(invariant=True):
+        batched = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(len(x))])
+        reordered = moe(x.flip(0)).flip(0)
+    _, experts = route(x @ moe.router.weight.t(), moe.top_k, True)
+    if case == "all_pick_one":
+        assert (experts[:, 0] == 3).all()
+    if case == "lone_expert":
+        counts = torch.bincount(experts.reshape(-1), minlength=6)
+        assert (counts == 1).any(), counts.tolist()
+    assert torch.equal(batched, alone) and torch.equal(batched, reordered)
+    assert (batched.double() - _reference(moe, x)).abs().max().item() < 1e-5
