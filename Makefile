@@ -27,7 +27,8 @@ run: install
 # cannot work without internet). If apt cannot install it (no root, no mirror), that one test skips and says why.
 $(VENV)/.chromium:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		chromium) || echo "chromium could not be installed: tests/test_kv_page_browser.py will skip"
+		chromium) || echo "chromium could not be installed: the /kv browser test will skip" \
+		"(tests/entrypoints/test_kv_page_browser.py)"
 	touch $@
 
 PYTEST := OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/pytest
@@ -41,9 +42,9 @@ test: install $(VENV)/.chromium
 # The default mode must run on every CPU, not only this one: the kernel, invariance and engine tests again on the
 # avx2 and portable builds of the kernels (forced whatever the CPU; tests marked slow load real models, which the
 # portable quantized kernels make too slow for CI), plus a short generation with the embedded model.
-VARIANT_TESTS := tests/test_attention_kernel.py tests/test_quant_kernel.py tests/test_small_gemm.py \
-	tests/test_decoder_layer.py tests/test_sampler.py tests/test_batch_invariance.py tests/test_engine.py \
-	tests/test_step_loop.py
+VARIANT_TESTS := tests/kernels/test_attention_kernel.py tests/kernels/test_quant_kernel.py \
+	tests/kernels/test_small_gemm.py tests/kernels/test_decoder_layer.py tests/worker/test_sampler.py \
+	tests/engine/test_batch_invariance.py tests/engine/test_engine.py tests/core/test_step_loop.py
 test-variants: install
 	for v in avx2 portable; do \
 		PAGEDLLM_KERNEL_VARIANT=$$v $(PYTEST) -q -m "not slow" $(VARIANT_TESTS) || exit 1; \
@@ -56,8 +57,10 @@ test-variants: install
 # wheel reuses the objects `make install` compiled (build/kernels), so it only packs.
 WHEEL_VENV := build/wheel-venv
 test-wheel: install
-	rm -rf dist $(WHEEL_VENV)
+	rm -rf dist $(WHEEL_VENV) build/lib.*
 	$(PIP) wheel -q --no-build-isolation --no-deps -w dist .
+	$(PY) -c "import glob, zipfile; names = zipfile.ZipFile(glob.glob('dist/pagedllm-*.whl')[0]).namelist(); \
+		lab = [n for n in names if 'pagedllm_bench' in n or '/benchmarks/' in n]; assert not lab, lab"
 	python3 -m venv $(WHEEL_VENV)
 	$(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
 		> $$($(WHEEL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/deps.pth
@@ -71,10 +74,12 @@ test-wheel: install
 		print(LLM().generate('Hi', SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text)"
 
 # The edit-test loop: no real model, no transformers comparison (make test stays the whole suite CI runs).
-FAST_TESTS := tests/test_block_pool.py tests/test_kv_cache_manager.py tests/test_hybrid_kv_manager.py \
-	tests/test_scheduler.py tests/test_step_loop.py tests/test_attention_reference.py \
-	tests/test_attention_kernel.py tests/test_quant_kernel.py tests/test_small_gemm.py tests/test_sampler.py \
-	tests/test_routing.py tests/test_server_async_engine.py tests/test_model_kv_cache.py
+FAST_TESTS := tests/core/test_block_pool.py tests/core/test_kv_cache_manager.py \
+	tests/core/test_hybrid_kv_manager.py tests/core/test_scheduler.py tests/core/test_step_loop.py \
+	tests/attention/test_attention_reference.py tests/kernels/test_attention_kernel.py \
+	tests/kernels/test_quant_kernel.py tests/kernels/test_small_gemm.py tests/worker/test_sampler.py \
+	tests/distributed/test_routing.py tests/engine/test_server_async_engine.py \
+	tests/model/test_model_kv_cache.py
 test-fast: install
 	$(VENV)/bin/ruff check pagedllm bench tests
 	$(PYTEST) -q -x $(FAST_TESTS)

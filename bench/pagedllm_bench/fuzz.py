@@ -1,10 +1,10 @@
 """Fuzz soak: hostile GGUF variants and chat templates for N minutes (`pagedllm bench fuzz --minutes 10`).
 
-The oracles are the test suite's (tests/test_fuzz_gguf.py, tests/test_hostile_templates.py), run longer and with
-fresh seeds: each GGUF variant loads as the original or raises InvalidModelError naming the file within 2 s of CPU
-and 200 MB; each template renders or fails with a ValueError within the sandbox's limits. A failing case is saved
-(the variant file, or the template text) under --out with its seed, to become a regression test. Exit status 1 when
-any case failed."""
+The oracles are the test suite's (tests/model/test_fuzz_gguf.py, tests/templating/test_hostile_templates.py),
+run longer and with fresh seeds: each GGUF variant loads as the original or raises InvalidModelError naming
+the file within 2 s of CPU and 200 MB; each template renders or fails with a ValueError within the sandbox's
+limits. A failing case is saved (the variant file, or the template text) under --out with its seed, to become
+a regression test. Exit status 1 when any case failed."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from pagedllm_bench.fuzz_gguf import (
     write_tiny_gguf,
 )
 
-TEMPLATE_PIECES = [  # fragments hostile templates are made of (tests/test_hostile_templates.py draws them too)
+# fragments hostile templates are made of (tests/templating/test_hostile_templates.py draws them too)
+TEMPLATE_PIECES = [
     "{{ m['content'] }}", "{{ x }}", "{{ 'ab' * n }}", "{{ n ** k }}", "{% for i in range(n) %}", "{% endfor %}",
     "{% for c in m['content'] %}", "{% set x = x ~ x %}", "{{ raise_exception('no') }}", "{{ ''.__class__ }}",
     "{{ x|center(n) }}", "{{ '%*d' % (n, 1) }}", "{% macro f(a) %}{{ f(a) }}{% endmacro %}", "{{ f(1) }}",

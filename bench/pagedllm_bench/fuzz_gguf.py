@@ -1,8 +1,9 @@
-"""GGUF fuzzing, shared by the tests (tests/test_fuzz_gguf.py, with hypothesis) and `pagedllm bench fuzz`: a tiny
-valid GGUF, a map of where each of its header fields lies, mutations of every kind a hostile or damaged file shows
-(bit flips, truncation, and edits of counts, lengths, dimensions, types, offsets, names, alignment and values), and
-the oracle: a variant either loads and matches the original (same shapes and bit-identical weights: only what a
-value field says may differ), or raises InvalidModelError, within a CPU-time and memory bound."""
+"""GGUF fuzzing, shared by the tests (tests/model/test_fuzz_gguf.py, with hypothesis) and
+`pagedllm bench fuzz`: a tiny valid GGUF, a map of where each of its header fields lies, mutations of every
+kind a hostile or damaged file shows (bit flips, truncation, and edits of counts, lengths, dimensions, types,
+offsets, names, alignment and values), and the oracle: a variant either loads and matches the original (same
+shapes and bit-identical weights: only what a value field says may differ), or raises InvalidModelError,
+within a CPU-time and memory bound."""
 
 from __future__ import annotations
 

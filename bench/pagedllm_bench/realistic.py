@@ -12,7 +12,7 @@ only where no llama-server was built, and then over the first few requests). Rat
 same run.
 
 Roofline columns: decode GB/s is the weight bytes a token reads (every matrix of the file but an untied token
-embedding) times tokens/s, against the read bandwidth `bench membw` measures with the same threads; prefill
+embedding; of a mixture of experts, the experts a token uses: the active bytes) times tokens/s, against the read bandwidth `bench membw` measures with the same threads; prefill
 GOP/s is 2 x the layer matrices' elements per prompt token (the linears; attention and the head, which runs for
 the prompt's last token only, left out), against the measured int8 dot peak.
 
@@ -196,18 +196,21 @@ def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> 
 
 def weights_per_token(model: str) -> tuple[int, int]:
     """(bytes of the matrices a decode token reads, multiply-adds of a prompt token): a decode token reads every
-    layer matrix and the output head (the token embedding where the file ties them); a prompt token multiplies by
-    the layer matrices only (the head runs for a prompt's last token, and an embedding is one row read)."""
+    layer matrix and the output head (the token embedding where the file ties them), and of a mixture of experts
+    only the experts it uses (expert_used_count of each stacked expert tensor: the active bytes); a prompt token
+    multiplies by the same layer matrices (the head runs for a prompt's last token, an embedding is one row read)."""
     from pagedllm.model.gguf_reader import read_gguf
     from pagedllm.quantization.types import BY_ID
 
     f = read_gguf(model)
     head = "output.weight" if "output.weight" in f.tensors else "token_embd.weight"
+    used = int(f.metadata.get(f"{f.architecture}.expert_used_count", 0) or 0)
     nbytes = layer_elements = 0
     for name, t in f.tensors.items():
-        if len(t.shape) != 2 or not (name.startswith("blk.") or name == head):
+        if len(t.shape) not in (2, 3) or not (name.startswith("blk.") or name == head):
             continue
-        n = t.shape[0] * t.shape[1]
+        active = min(used, t.shape[0]) if len(t.shape) == 3 else 1  # experts a token reads of a stack
+        n = t.shape[-2] * t.shape[-1] * active
         nbytes += n // BY_ID[t.ggml_type].block * BY_ID[t.ggml_type].bytes
         if name != head:
             layer_elements += n
@@ -245,13 +248,14 @@ def resolve_model(args: argparse.Namespace) -> str:
         return args.model
     from pagedllm_bench.make_model import cached_model
 
-    return cached_model(args.shape, args.type)
+    return cached_model(args.shape, args.type, args.layers)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a GGUF file (default: --shape/--type, written once)")
     p.add_argument("--shape", default="tinyllama-1.1b")
     p.add_argument("--type", default="Q4_0")
+    p.add_argument("--layers", type=int, default=None, help="the shape with fewer layers (same widths)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--phases", default="single,offline")
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)

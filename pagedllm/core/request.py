@@ -44,7 +44,7 @@ class Request:
     the rest.
 
     A request is complete when it is built: outside core/ nothing assigns its fields afterwards (the scheduler
-    owns its progress; tests/test_request_ownership.py holds this)."""
+    owns its progress; tests/core/test_request_ownership.py holds this)."""
 
     request_id: str
     prompt_token_ids: list[int]

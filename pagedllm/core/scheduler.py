@@ -14,7 +14,7 @@ grammar's end or length (stop strings are found by the engine's detokenizer, whi
 
 Liveness: admission (`check_fits`) rejects a request whose prompt + max_tokens could never fit in the whole
 cache, so the oldest running request can always run to its end alone, preempting the others; the engine
-therefore always makes progress (tests/test_scheduler.py holds this as a property).
+therefore always makes progress (tests/core/test_scheduler.py holds this as a property).
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
         if len(info.shape) == 3 and as_stored and runs_as_stored(info.ggml_type, info.shape[2]):
             yield name, _expert_views(f, info)  # each view releases its own pages once packed (or is copied)
             continue
+        if as_stored and len(info.shape) == 2 and runs_as_stored(info.ggml_type, info.shape[1]):
             rows, cols = info.shape
             w = QuantTensor(bytes_view(f.blob, info.offset, rows, row_bytes(info.ggml_type, cols)),
                             info.ggml_type, cols, partial(f.release_pages, info.offset, info.nbytes))

@@ -183,6 +183,7 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
         method = (None if quantization == "none" else
                   _quantized_method(quantize_floats=False, dense_bytes=dense_bytes if quantization == "auto" else None))
         tdtype = resolve_dtype(dtype, quantized=method is not None)
+        _check_fits_in_memory(f, as_stored=method is not None, dtype=tdtype)
         # the tokenizer before the weights: parsing a large vocabulary's tokenizer.json peaks at several times what
         # it keeps (model/tokenizer.py), and that peak should not sit on top of the weights
         tok = tokenization.load_tokenizer(path, f) if load_tokenizer else None
@@ -192,6 +193,22 @@ def _load_gguf(path: str, dtype: str | torch.dtype, attention_backend: str, load
         f.close()
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, gguf_model_name(path), cfg.eos_token_ids, tdtype, path, sampling)
+
+
+def _check_fits_in_memory(f, *, as_stored: bool, dtype: torch.dtype) -> None:
+    """InvalidModelError, before anything is read, where the weights would not fit in the memory available: one
+    line naming both sizes (a load past it would end in swapping or the OOM killer, not an error)."""
+    import psutil
+
+    if as_stored:
+        need = sum(t.nbytes for t in f.tensors.values())
+    else:
+        need = sum(math.prod(t.shape) for t in f.tensors.values()) * dtype.itemsize
+    available = psutil.virtual_memory().available
+    if need > available:
+        how = "as stored" if as_stored else f"dequantized to {str(dtype).removeprefix('torch.')}"
+        raise InvalidModelError(f"the weights take {need / 2**30:.1f} GiB in memory ({how}), more than the "
+                                f"{available / 2**30:.1f} GiB available", path=f.path)
 
 
 def _fill_eos_from_tokenizer(cfg: ModelConfig, tok: Any) -> None:

@@ -3,7 +3,7 @@ tokens and chat template of its `tokenizer_config.json`.
 
 Why not transformers' own tokenizer class: importing transformers costs ~1.5 s and building its tokenizer ~0.4 s
 more, three times the time it takes to load a 1B GGUF model; this class loads in ~0.25 s (mostly parsing the JSON)
-and computes the same ids and text (tests/test_tokenizer.py checks it against transformers on every tokenizer the
+and computes the same ids and text (tests/model/test_tokenizer.py checks it against transformers on every tokenizer the
 tests have). It offers the part of the transformers API that the engine, its tests and its users call; `.hf` builds
 the transformers tokenizer from the same files for anything else (e.g. xgrammar's tokenizer info).
 """

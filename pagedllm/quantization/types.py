@@ -1,8 +1,8 @@
 """The one table of GGUF tensor types: ggml id, block geometry, whether the C++ kernels run it as stored.
 
 The kernels' side of each quantized type is its traits struct in kernels/csrc/quant_types.h (decoding, packed
-layout, dispatch); `tests/test_quant_kernel.py` holds this table equal to the one the extension reports
-(`quant_type_table`). Adding a type is one row here plus one traits specialisation there.
+layout, dispatch); `tests/kernels/test_quant_kernel.py` holds this table equal to the one the extension
+reports (`quant_type_table`). Adding a type is one row here plus one traits specialisation there.
 """
 
 from __future__ import annotations

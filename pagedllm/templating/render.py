@@ -6,8 +6,8 @@ folded at compile time), so the usual blow-ups fail at once with a clear message
 
 The environment is the one transformers renders chat templates in (trim_blocks, lstrip_blocks, loop controls, the
 `{% generation %}` tag, `raise_exception`, `strftime_now`, an unescaped `tojson`, underscore-free namespaces), so a
-model's template gives the same text here as under `AutoTokenizer.apply_chat_template` (tests/test_tokenizer.py),
-without importing transformers (~1.5 s of every load).
+model's template gives the same text here as under `AutoTokenizer.apply_chat_template`
+(tests/model/test_tokenizer.py), without importing transformers (~1.5 s of every load).
 """
 
 from __future__ import annotations

@@ -46,6 +46,10 @@ class ModelShape:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     context: int = 4096
+    experts: int = 0  # a mixture of experts: experts per layer (every layer sparse), `experts_used` per token
+    experts_used: int = 0
+    expert_ffn: int = 0  # one expert's width
+    qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3)
 
 
 _QWEN = {"tied": True, "rope_theta": 1e6, "eps": 1e-6, "vocab": 151936}
@@ -57,6 +61,11 @@ SHAPES = {
     "qwen2.5-3b": ModelShape("qwen2", 36, 2048, 11008, 16, 2, 128, **_QWEN),
     "llama-3.2-1b": ModelShape("llama", 16, 2048, 8192, 32, 8, 64, **_LLAMA3),
     "llama-3.2-3b": ModelShape("llama", 28, 3072, 8192, 24, 8, 128, **_LLAMA3),
+    # mixtures of experts (`--layers N` keeps the widths with fewer layers)
+    "qwen3-30b-a3b": ModelShape("qwen3moe", 48, 2048, 6144, 32, 4, 128, vocab=151936, rope_theta=1e6, eps=1e-6,
+                                context=40960, experts=128, experts_used=8, expert_ffn=768, qk_norm=True),
+    "mixtral-8x7b": ModelShape("llama", 32, 4096, 14336, 32, 8, 128, vocab=32000, rope_theta=1e6,
+                               context=32768, experts=8, experts_used=2, expert_ffn=14336),
 }
 # llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
@@ -68,17 +77,23 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: int, tied: bool = False) -> str:
-    """The ggml type of one weight matrix (name: "token_embd", "output", "attn_v", ...) in a file of `file_type`,
-    as llama-quantize decides it (norms and biases are always F32)."""
+def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: int, tied: bool = False,
+                experts: int = 0) -> str:
+    """The ggml type of one weight matrix (name: "token_embd", "output", "attn_v", "ffn_down_exps", ...) in a file
+    of `file_type`, as llama-quantize decides it (norms, biases and routers are always F32)."""
+    if name == "ffn_gate_inp":
+        return "F32"
     t = MIXES.get(file_type, file_type)
+    down = name in ("ffn_down", "ffn_down_exps")
     if file_type in MIXES and (name == "output" or (tied and name == "token_embd")):
         t = "Q8_0" if cols % 256 else "Q6_K"
-    elif file_type in ("Q4_K_M", "Q5_K_M") and name in ("attn_v", "ffn_down") and use_more_bits(layer, num_layers):
+    elif file_type in MIXES and name == "attn_v" and experts == 8:
+        t = "Q8_0"  # llama-quantize: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
+    elif file_type in ("Q4_K_M", "Q5_K_M") and (name == "attn_v" or down) and use_more_bits(layer, num_layers):
         t = "Q6_K"
-    elif file_type == "Q3_K_M" and name in ("attn_v", "ffn_down", "attn_output"):
+    elif file_type == "Q3_K_M" and (name in ("attn_v", "attn_output") or down):
         # Q5_K for attn_v's first two tensors and ffn_down's first sixteenth of layers (one of each per layer here)
-        more = (name == "attn_v" and layer < 2) or (name == "ffn_down" and layer < num_layers // 16)
+        more = (name == "attn_v" and layer < 2) or (down and layer < num_layers // 16)
         t = "Q5_K" if more else "Q4_K"
     if t not in FLOAT_TYPES and cols % BY_NAME[t].block:
         t = FALLBACK.get(t, "F16")
@@ -161,14 +176,81 @@ def _copy_tokenizer(writer, source: str, vocab: int) -> None:
         writer.add_key_value(field.name, value, vtype, sub)
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """One tensor of the file: declared in the header first, its random data made and written after."""
+
+    name: str
+    shape: tuple[int, ...]  # torch order: [experts,] rows, cols (1-D: a norm or bias)
+    qtype: str
+    layer: int = 0
+
+
+_NUMPY_FLOATS = {"F32": np.float32, "F16": np.float16}  # written as numpy floats; every other type as bytes
+
+
+def _byte_shape(p: _Planned) -> tuple[tuple[int, ...], np.dtype]:
+    if p.qtype in _NUMPY_FLOATS:
+        return p.shape, np.dtype(_NUMPY_FLOATS[p.qtype])
+    return (*p.shape[:-1], BY_NAME[p.qtype].row_bytes(p.shape[-1])), np.dtype(np.uint8)
+
+
+def _plan(s: ModelShape, file_type: str) -> list[_Planned]:
+    def matrix(name: str, *shape: int, layer: int = 0) -> _Planned:
+        kind = name.split(".")[-2]
+        return _Planned(name, shape, tensor_type(file_type, kind, layer, s.layers, shape[-1], s.tied, s.experts),
+                        layer)
+
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    plan = [matrix("token_embd.weight", s.vocab, s.hidden)]
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        plan.append(_Planned(p + "attn_norm.weight", (s.hidden,), "F32"))
+        for name, rows, cols in (("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
+                                 ("attn_output", s.hidden, q)):
+            plan.append(matrix(f"{p}{name}.weight", rows, cols, layer=i))
+        if s.qk_norm:
+            plan += [_Planned(f"{p}attn_{x}_norm.weight", (s.head_dim,), "F32") for x in "qk"]
+        if s.arch == "qwen2":
+            plan += [_Planned(f"{p}{name}.bias", (n,), "F32") for name, n in (("attn_q", q), ("attn_k", kv),
+                                                                              ("attn_v", kv))]
+        if s.experts:
+            e, f = s.experts, s.expert_ffn
+            plan += [matrix(f"{p}ffn_gate_inp.weight", e, s.hidden), matrix(f"{p}ffn_gate_exps.weight", e, f, s.hidden,
+                     layer=i), matrix(f"{p}ffn_up_exps.weight", e, f, s.hidden, layer=i),
+                     matrix(f"{p}ffn_down_exps.weight", e, s.hidden, f, layer=i)]
+        else:
+            plan += [matrix(f"{p}ffn_gate.weight", s.ffn, s.hidden, layer=i),
+                     matrix(f"{p}ffn_up.weight", s.ffn, s.hidden, layer=i),
+                     matrix(f"{p}ffn_down.weight", s.hidden, s.ffn, layer=i)]
+        plan.append(_Planned(p + "ffn_norm.weight", (s.hidden,), "F32"))
+    plan.append(_Planned("output_norm.weight", (s.hidden,), "F32"))
+    if not s.tied:
+        plan.append(matrix("output.weight", s.vocab, s.hidden))
+    return plan
+
+
+def _random_data(rng: np.random.Generator, p: _Planned, std: float) -> np.ndarray:
+    if len(p.shape) == 1:
+        base, spread = (1.0, 0.1) if p.name.endswith("norm.weight") else (0.0, std)
+        return (base + spread * rng.standard_normal(p.shape[0])).astype(np.float32)
+    rows = int(np.prod(p.shape[:-1]))
+    data = quantized(rng, rows, p.shape[-1], p.qtype, std)
+    return data.reshape(*p.shape[:-1], data.shape[-1])
+
+
 def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 0,
                       tokenizer_from: str | None = "default", std: float = 0.02) -> None:
     """Write a random-weight model of `shape` as `file_type` (one of FILE_TYPES). tokenizer_from: a GGUF whose
-    tokenizer to copy ("default": the embedded SmolLM2; None: no tokenizer, for kernel tests)."""
+    tokenizer to copy ("default": the embedded SmolLM2; None: no tokenizer, for kernel tests). The header is
+    written first and each tensor's data after it, one at a time: a file larger than the memory can be written."""
     import gguf
 
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown type {file_type!r}; choose from {', '.join(FILE_TYPES)}")
+    if shape.experts and shape.arch == "llama" and shape.ffn != shape.expert_ffn:
+        raise ValueError("a Mixtral-style (llama) file's expert width is its feed_forward_length: ffn must equal "
+                         "expert_ffn")
     rng = np.random.default_rng(seed)
     s = shape
     w = gguf.GGUFWriter(path, s.arch)
@@ -185,41 +267,27 @@ def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.eps)
     w.add_vocab_size(s.vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
+        if s.arch != "llama":  # (Mixtral's expert width is its feed_forward_length)
+            w.add_expert_feed_forward_length(s.expert_ffn)
     if tokenizer_from is not None:
         if tokenizer_from == "default":
             from pagedllm.model.loader import default_model_path
 
             tokenizer_from = default_model_path()
         _copy_tokenizer(w, tokenizer_from, s.vocab)
-
-    def matrix(name: str, rows: int, cols: int, layer: int = 0) -> None:
-        qtype = tensor_type(file_type, name.split(".")[-2], layer, s.layers, cols, s.tied)
-        data = quantized(rng, rows, cols, qtype, std)
-        raw = gguf.GGMLQuantizationType[qtype] if data.dtype == np.uint8 else None
-        w.add_tensor(name, data, raw_dtype=raw)
-
-    def norm(name: str, n: int) -> None:
-        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    matrix("token_embd.weight", s.vocab, s.hidden)
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    for i in range(s.layers):
-        p = f"blk.{i}."
-        norm(p + "attn_norm.weight", s.hidden)
-        for name, rows, cols in (("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
-                                 ("attn_output", s.hidden, q), ("ffn_gate", s.ffn, s.hidden),
-                                 ("ffn_up", s.ffn, s.hidden), ("ffn_down", s.hidden, s.ffn)):
-            matrix(f"{p}{name}.weight", rows, cols, i)
-        if s.arch == "qwen2":
-            for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
-                w.add_tensor(f"{p}{name}.bias", (0.02 * rng.standard_normal(n)).astype(np.float32))
-        norm(p + "ffn_norm.weight", s.hidden)
-    norm("output_norm.weight", s.hidden)
-    if not s.tied:
-        matrix("output.weight", s.vocab, s.hidden)
+    plan = _plan(s, file_type)
+    for p in plan:
+        byte_shape, dtype = _byte_shape(p)
+        raw = None if p.qtype in _NUMPY_FLOATS else gguf.GGMLQuantizationType[p.qtype]
+        w.add_tensor_info(p.name, byte_shape, dtype, int(np.prod(byte_shape)) * dtype.itemsize, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for p in plan:
+        w.write_tensor_data(_random_data(rng, p, std))
     w.close()
 
 

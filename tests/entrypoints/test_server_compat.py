@@ -14,8 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
+from live_server import LiveServer  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_server import LiveServer  # noqa: E402
 from tiny_models import make_llm, make_tiny_model, wait_until  # noqa: E402
 
 from pagedllm.engine.async_engine import AsyncEngine  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 
 from pagedllm.core.request import Request
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pagedllm"
+PACKAGE = Path(__file__).resolve().parents[2] / "pagedllm"
 FIELDS = frozenset(f.name for f in dataclasses.fields(Request))
 METHODS = frozenset(name for name, fn in inspect.getmembers(Request, inspect.isfunction)
                     if not name.startswith("_"))  # append_output_token: it mutates
@@ -87,8 +87,9 @@ def violations(source: str, path: str) -> list[str]:
 
 
 def test_no_request_field_is_assigned_outside_core():
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    found, paths = [], sorted(PACKAGE.rglob("*.py"))
+    assert paths, f"no package at {PACKAGE}"
+    for path in paths:
         rel = path.relative_to(PACKAGE.parent)
         if rel.parts[1] != "core":
             found += violations(path.read_text(), str(rel))

@@ -7,8 +7,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import threading
 import time
 
 import httpx
@@ -17,7 +15,8 @@ import pytest
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
+from live_server import API_KEY, LiveServer, wait_idle  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_models import fresh_seed, wait_until  # noqa: E402
 
@@ -27,7 +26,6 @@ from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "sk-test-" + "".join(random.choices("abcdef0123456789", k=12))
 MAX_MODEL_LEN = 1024
 NUM_BLOCKS = 320
 BLOCK = 16
@@ -35,34 +33,8 @@ WORDS = ("river apple orange cloud silver garden window music yellow market brid
          "little paper story engine planet doctor summer castle rabbit pencil").split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def random_prompt(rng: random.Random, n_words: int) -> str:
     return "Write about " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
-
-
-class LiveServer:
-    def __init__(self, app) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -118,27 +90,6 @@ def server(async_engine, oracle):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def wait_idle(server, timeout: float = 60.0) -> dict:
-    """Engine stats once no request runs or waits any more."""
-    last: dict = {}
-
-    def idle() -> dict | None:
-        last.update(asyncio.run(_stats(server.engine)))
-        return dict(last) if last["num_running"] == 0 and last["num_waiting"] == 0 else None
-
-    return wait_until(idle, lambda: f"the engine to go idle (last stats: {last})", timeout, interval=0.05)
-
-
-async def _stats(engine: AsyncEngine) -> dict:
-    def read(e):
-        s = dict(e.kv_cache_stats())
-        s["num_running"], s["num_waiting"] = e.num_running(), e.num_waiting()
-        s["num_requests"] = len(e.requests)
-        return s
-
-    return await engine.call(read)
 
 
 def assert_no_leak(stats: dict) -> None:

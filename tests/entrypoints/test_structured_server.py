@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from test_server import API_KEY, LiveServer, wait_idle
+from live_server import API_KEY, LiveServer, wait_idle
 
 openai = pytest.importorskip("openai")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model_smollm2 import PROMPTS, TEXT, Greedy, _chat_ids, perplexity
+from smollm2_harness import PROMPTS, TEXT, Greedy, chat_ids, perplexity
 
 from pagedllm.kernels.dispatch import VNNI, has
 from pagedllm.model import load_model
@@ -67,7 +67,7 @@ def test_greedy_chat_answers_mostly_unchanged(models):
     quant, oracle = models
     same, agree, total, forced, gaps = 0, 0, 0, 0, []
     for p in PROMPTS:
-        ids = _chat_ids(quant.tokenizer, p)
+        ids = chat_ids(quant.tokenizer, p)
         a, b = _greedy(quant, ids), _greedy(oracle, ids)
         same += a == b
         prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -3,7 +3,7 @@
 Tiny random transformers checkpoints are written to GGUF the way llama.cpp's converter writes them (experts
 stacked in 3-D tensors, a router per layer, Mixtral as arch "llama" with Q/K permuted), by our own writer below and,
 where `make bench-setup` built it, by llama.cpp's `convert_hf_to_gguf.py`. The HF-directory path of the same
-architectures is in tests/test_model_hf.py."""
+architectures is in tests/model/test_model_hf.py."""
 
 from __future__ import annotations
 
@@ -312,3 +312,50 @@ def test_moe_block_rows_are_the_same_alone_and_batched(case):
         assert (counts == 1).any(), counts.tolist()
     assert torch.equal(batched, alone) and torch.equal(batched, reordered)
     assert (batched.double() - _reference(moe, x)).abs().max().item() < 1e-5
+
+
+# ---- random-weight files of real MoE shapes (`pagedllm bench make-model`) ---------------------------------------
+
+def _tiny_moe_shape(arch: str):
+    from pagedllm.testing.gguf_writer import tiny_shape
+
+    return tiny_shape(arch, experts=8, experts_used=2, expert_ffn=256, qk_norm=arch == "qwen3moe", layers=3,
+                      tied=False, **({"ffn": 256} if arch == "llama" else {}))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_q4_k_m_file_runs_as_stored_in_its_own_bytes(tmp_path, arch):
+    """A Q4_K_M file of an MoE shape (typed as llama-quantize types it) loads as stored: every matrix and the
+    embedding stay in the file's blocks (resident weights within 10% of the file), and its logits match the
+    dequantized file's."""
+    from pagedllm.model.linear import Linear
+    from pagedllm.model.quantized_linear import weight_bytes
+    from pagedllm.quantization.tensor import QuantTensor
+    from pagedllm.testing.gguf_writer import write_random_gguf
+
+    path = str(tmp_path / f"{arch}.gguf")
+    write_random_gguf(path, _tiny_moe_shape(arch), "Q4_K_M", seed=4, tokenizer_from=None, std=0.1)
+    stored = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="gguf")
+    assert stored.config.num_experts == 8 and stored.config.num_experts_per_tok == 2
+    assert isinstance(stored.model.embed, QuantTensor)
+    linears = [m for m in stored.model.modules() if isinstance(m, Linear)]
+    routers = {id(layer.mlp.router) for layer in stored.model.layers}  # F32 in the file, as llama-quantize leaves them
+    assert all(isinstance(s, QuantTensor) for m in linears if id(m) not in routers for s in m.segments)
+    resident = sum(weight_bytes(m) for m in linears) + stored.model.embed.nbytes
+    resident += sum(p.numel() * p.element_size() for p in stored.model.parameters())
+    assert resident <= 1.1 * os.path.getsize(path)
+    want = paged_logits(load_model(path, "float32", attention_backend="reference", load_tokenizer=False,
+                                   quantization="none"), tokens := _tokens(25, 5))
+    err = (paged_logits(stored, tokens) - want).abs().amax(-1) / want.abs().amax(-1)
+    # int8 activations through three layers of random K-quant weights; a near-tie of two experts may flip
+    assert err.median().item() < 0.06, f"relative logit errors {err.tolist()}"
+
+
+def test_moe_files_are_typed_as_llama_quantize_types_them():
+    from pagedllm.testing.gguf_writer import tensor_type
+
+    assert tensor_type("Q4_K_M", "ffn_gate_inp", 0, 48, 2048, experts=128) == "F32"
+    assert tensor_type("Q4_K_M", "ffn_gate_exps", 0, 48, 2048, experts=128) == "Q4_K"
+    assert tensor_type("Q4_K_M", "ffn_down_exps", 0, 48, 768, experts=128) == "Q6_K"  # a more-bits layer
+    assert tensor_type("Q4_K_M", "ffn_down_exps", 7, 48, 768, experts=128) == "Q4_K"
+    assert tensor_type("Q4_K_M", "attn_v", 7, 32, 4096, experts=8) == "Q8_0"  # llama-quantize's 8-expert rule

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (make install adds it)")
-from test_server import LiveServer  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 from tiny_models import make_llm, make_tiny_model  # noqa: E402
 
 from pagedllm import SamplingParams  # noqa: E402
@@ -25,7 +25,7 @@ from pagedllm.engine.kv_snapshot import kv_snapshot  # noqa: E402
 from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"  # tests/artifacts
 NUM_BLOCKS = 200
 
 

@@ -136,7 +136,8 @@ def _paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
 def test_gguf_matches_transformers(tmp_path, arch, types):
     path = tmp_path / "m.gguf"
     write_gguf(str(path), arch, TYPE_SETS[types])
-    # the dequantized path is the one that equals transformers; tests/test_quant_model.py compares the two
+    # the dequantized path is the one that equals transformers;
+    # tests/model/test_quant_model.py compares the two
     ours = load_model(str(path), "float32", attention_backend="reference", load_tokenizer=False,
                       quantization="none")
     assert ours.config.architecture == arch

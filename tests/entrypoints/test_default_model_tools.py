@@ -94,8 +94,9 @@ def tool_call_counts(need: list[str], need_none: list[str], say=print) -> tuple[
 
 @pytest.mark.slow
 def test_the_default_model_calls_tools_through_the_sdk():
-    """Four of the requests (the whole set, 20 requests, is `python tests/test_default_model_tools.py`: two
-    minutes here): the model writes its calls fenced or bare, never in its template's tags."""
+    """Four of the requests (the whole set, 20 requests, is
+    `python tests/entrypoints/test_default_model_tools.py`: two minutes here): the model writes its calls fenced
+    or bare, never in its template's tags."""
     called, _ = tool_call_counts(NEEDS_A_TOOL[:4], [])
     assert called >= 3, called
 

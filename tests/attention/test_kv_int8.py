@@ -1,8 +1,8 @@
 """INT8 KV cache (kv_cache_dtype="int8"): the row format, the C++ write against the torch one, block copies keep
 the scales, the engine with n>1, beams, prefix hits and preemption leaks nothing, the memory budget counts the
 scales; with the real embedded model, perplexity and greedy chat answers against the compute-dtype KV.
-(The kernel against the reference in int8 mode: tests/test_attention_kernel.py; batch invariance with int8 KV:
-tests/test_batch_invariance.py.)"""
+(The kernel against the reference in int8 mode: tests/kernels/test_attention_kernel.py; batch invariance with
+int8 KV: tests/engine/test_batch_invariance.py.)"""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def smollm2():
 
 @pytest.mark.slow
 def test_perplexity_int8_kv_within_1pct(smollm2):
-    from test_model_smollm2 import TEXT, perplexity
+    from smollm2_harness import TEXT, perplexity
 
     # the first 1536 tokens keep it under a minute here (the whole text, 2890 tokens: bf16 KV 26.893, int8 KV
     # 26.899, +0.02%)
@@ -183,12 +183,12 @@ def test_greedy_chat_changes_are_near_ties(smollm2):
     """Greedy answers (48 tokens) with bf16 and int8 KV; where an answer changes, the bf16 run's top-2 logits at
     the first differing token are a near tie (gap < 0.5, i.e. the two tokens were within a factor 1.65 in
     probability), not a different answer forced by garbage."""
-    from test_model_smollm2 import Greedy, _chat_ids
+    from smollm2_harness import Greedy, chat_ids
 
     tok, eos = smollm2.tokenizer, set(smollm2.eos_token_ids)
     runs = {}
     for kv_dtype in (torch.bfloat16, torch.int8):
-        seqs = [{"tokens": _chat_ids(tok, p), "table": [], "done": 0, "out": [], "gaps": []} for p in CHAT]
+        seqs = [{"tokens": chat_ids(tok, p), "table": [], "done": 0, "out": [], "gaps": []} for p in CHAT]
         runner, live = Greedy(smollm2, kv_dtype=kv_dtype), list(seqs)
         counts = [len(s["tokens"]) for s in live]
         for _ in range(48):

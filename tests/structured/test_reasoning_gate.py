@@ -9,8 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from test_engine import make_llm
-from tiny_models import make_tiny_model
+from tiny_models import make_llm, make_tiny_model
 
 from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.structured.backend import allow_token

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_scheduler import Driver, assert_no_leaks, create_scheduler
+from scheduler_harness import Driver, assert_no_leaks, create_scheduler
 
 from pagedllm.core.request import Request
 

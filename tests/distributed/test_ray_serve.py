@@ -18,8 +18,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
+from live_server import LiveServer  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_server import LiveServer  # noqa: E402
 from tiny_models import fresh_seed, make_tiny_model  # noqa: E402
 
 from pagedllm.distributed.args import DataParallelArgs  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from pagedllm.kernels import library, variants
 from pagedllm.kernels.build_lock import build_lock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}
 
 
@@ -188,9 +188,10 @@ def interrupted_first_starts(cache: Path, rounds: int, seed: int, complete: bool
 
 @pytest.mark.slow
 def test_an_interrupted_first_use_build_never_hangs_the_next_start(tmp_path):
-    """The real first-use build, killed mid-way three times at random moments: each next start says at once that it
-    builds (the lock of a dead builder is free; torch's own lock file it left is cleared). The full run (20
-    kills, then a start that builds to the end) is `python tests/test_kernel_build.py` (BENCHMARKS.md)."""
+    """The real first-use build, killed mid-way three times at random moments: each next start says at once
+    that it builds (the lock of a dead builder is free; torch's own lock file it left is cleared). The full
+    run (20 kills, then a start that builds to the end) is `python tests/kernels/test_kernel_build.py`
+    (BENCHMARKS.md)."""
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     interrupted_first_starts(tmp_path, rounds=3, seed=seed, complete=False, kill_within_s=10, say=print)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 from pagedllm_bench.perplexity import chunks, pagedllm_perplexity
-from test_model_smollm2 import TEXT, Greedy
+from smollm2_harness import TEXT, Greedy
 
 from pagedllm.model import load_model
 
