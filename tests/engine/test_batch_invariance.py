@@ -6,7 +6,7 @@ the sampler. Engine level (the real embedded model, bf16): a request's tokens eq
 whatever it is batched with, how its prompt is chunked, whether its prefix is cached, whether it was preempted.
 
 Every test runs over PATHS, the execution paths the engine has: a new one (int8 KV, quantized weights,
-speculative decoding) is covered by adding one line there.
+speculative decoding, a mixture of experts) is covered by adding one line there.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ PATHS = [
       for t in ("Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")),
     ExecPath("spec-ngram", torch.bfloat16, torch.bfloat16,
              engine={"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
+    # a mixture of experts (a tiny random Qwen3-MoE shape, Q4_K_M, the experts as stored): routing and the
+    # per-expert GEMMs of a token depend on its own row alone
+    ExecPath("moe-q4_k_m", torch.float32, torch.float32, engine={"model": "tiny-moe", "quantization": "gguf"}),
+    ExecPath("moe-bf16", torch.bfloat16, torch.bfloat16, engine={"model": "tiny-moe", "quantization": "none"}),
 ]
 
 
@@ -244,6 +248,17 @@ def _tokens(outs):
     return [[(c.token_ids, c.text) for c in o.outputs] for o in outs]
 
 
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> str:
+    """A random Qwen3-MoE-shaped GGUF (8 experts, 2 per token, 3 layers) with the embedded model's tokenizer."""
+    from pagedllm.testing.gguf_writer import tiny_shape, write_random_gguf
+
+    path = str(tmp_path_factory.mktemp("moe") / "tiny-moe.gguf")
+    shape = tiny_shape("qwen3moe", experts=8, experts_used=2, expert_ffn=256, qk_norm=True, layers=3, vocab=49152)
+    write_random_gguf(path, shape, "Q4_K_M", seed=7, std=0.1)
+    return path
+
+
 @pytest.fixture(scope="module", params=ENGINE_PATHS, ids=[p.name for p in ENGINE_PATHS])
 def alone(request):
     """(the path's LLM arguments, the requests, each one's outputs run alone on a fresh engine without a prefix
@@ -252,13 +267,16 @@ def alone(request):
 
     path = request.param
     dtype = "float32" if path.dtype == torch.float32 else "bfloat16"
+    engine = dict(path.engine)
+    if engine.get("model") == "tiny-moe":
+        engine["model"] = request.getfixturevalue("tiny_moe")
     reqs = _requests(seed=4)  # the same requests on every path (this mix preempts in test_engine_preempted_...)
     outs = []
     for prompt, params in reqs:
-        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **path.engine)
+        llm = LLM(dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **engine)
         outs.append(_tokens(llm.generate([prompt], params, use_tqdm=False))[0])
         del llm
-    return {"dtype": dtype, **path.engine}, reqs, outs
+    return {"dtype": dtype, **engine}, reqs, outs
 
 
 @pytest.mark.slow  # the real embedded model
