@@ -44,7 +44,8 @@ test: install $(VENV)/.chromium
 # portable quantized kernels make too slow for CI), plus a short generation with the embedded model.
 VARIANT_TESTS := tests/kernels/test_attention_kernel.py tests/kernels/test_quant_kernel.py \
 	tests/kernels/test_small_gemm.py tests/kernels/test_decoder_layer.py tests/worker/test_sampler.py \
-	tests/engine/test_batch_invariance.py tests/engine/test_engine.py tests/core/test_step_loop.py
+	tests/engine/test_batch_invariance.py tests/engine/test_engine.py tests/core/test_step_loop.py \
+	tests/model/test_moe.py
 test-variants: install
 	for v in avx2 portable; do \
 		PAGEDLLM_KERNEL_VARIANT=$$v $(PYTEST) -q -m "not slow" $(VARIANT_TESTS) || exit 1; \

@@ -173,6 +173,20 @@ def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> d
             "prefill_tok_s": len(prefill[0]) / t_prefill, "peak_rss_mb": common.peak_rss_mb()}
 
 
+def run_decode(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
+    """Load, then single-stream decode alone (the "single" phase without its prefill and long-context parts): for
+    files whose prefill would take long on this CPU."""
+    if system == "llama.cpp" and common.llama_server_binary():
+        return run_single_llama_server(model, wl, threads)
+    m = _open(system, model, CONTEXT, threads, dtype)
+    p, d = wl["decode_prompt"], wl["decode_tokens"]
+    m.generate([p], [2])  # warm-up (kernel load, allocator)
+    t_first = _best(lambda: m.generate([p], [1]))
+    t_all = _best(lambda: m.generate([p], [1 + d]))
+    return {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "ttft_s": t_first,
+            "peak_rss_mb": common.peak_rss_mb()}
+
+
 def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
     off = common.Workload.from_json(wl["offline"])
     if system == "llama.cpp" and common.llama_server_binary():
@@ -257,7 +271,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--type", default="Q4_0")
     p.add_argument("--layers", type=int, default=None, help="the shape with fewer layers (same widths)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
-    p.add_argument("--phases", default="single,offline")
+    p.add_argument("--phases", default="single,offline",
+                   help="single (load, decode, prefill, long context), offline (32 concurrent), or decode (load "
+                        "and decode alone)")
     p.add_argument("--threads", type=int, default=common.DEFAULT_THREADS)
     p.add_argument("--dtype", default=auto_dtype(quantized=True), choices=["float32", "bfloat16"],
                    help="pagedllm's activations (default: bfloat16 where the CPU has avx512_bf16, else float32)")
@@ -274,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
         common.set_threads(args.threads)
         with open(args.workload, encoding="utf-8") as f:
             wl = json.load(f)
-        fn = run_single if args.worker == "single" else run_offline
+        fn = {"single": run_single, "decode": run_decode, "offline": run_offline}[args.worker]
         res = fn(args.system, args.model, wl, args.threads, args.dtype)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f)

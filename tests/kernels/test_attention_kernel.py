@@ -286,10 +286,10 @@ def test_random_mixed_batches(seed):
 
 def test_kernel_benchmark_smoke(capsys):
     """`pagedllm bench kernel` runs end to end on a tiny shape (its own checks compare every method to SDPA)."""
-    from pagedllm_bench import kernel as bench
+    from pagedllm_bench import main
 
-    assert bench.main(["--num-requests", "2", "--context-len", "40", "--repeats", "1", "--block-size", "8",
-                       "--bandwidth-mib", "8"]) == 0
+    assert main(["kernel", "--num-requests", "2", "--context-len", "40", "--repeats", "1", "--block-size", "8",
+                 "--bandwidth-mib", "8"]) == 0
     out = capsys.readouterr().out
     assert "paged kernel" in out and "SDPA causal" in out
 
