@@ -28,16 +28,17 @@ V = 128
 ARCHS = {"qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}  # ours -> GGUF architecture
 
 
-def hf_moe(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random transformers model whose activations are O(1) (default init gives near-zero logits)."""
+def hf_moe(arch: str, seed: int = 0, vocab: int = V, dense_layer: bool = True) -> torch.nn.Module:
+    """A tiny random transformers model whose activations are O(1) (default init gives near-zero logits).
+    dense_layer: Qwen3-MoE's layer 1 dense (mlp_only_layers; llama.cpp's qwen3moe has no dense layers)."""
     import transformers as tf
 
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=V, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-5,
                   tie_word_embeddings=False)
     if arch == "qwen3moe":  # GGUF qwen3moe renormalises the top k (llama.cpp's graph): so does this checkpoint
         cfg = tf.Qwen3MoeConfig(**common, head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                                norm_topk_prob=True, mlp_only_layers=[1])
+                                norm_topk_prob=True, mlp_only_layers=[1] if dense_layer else [])
     elif arch == "mixtral":
         cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     else:
@@ -191,16 +192,23 @@ def test_llama_cpp_converted_file_matches_transformers(tmp_path, arch):
     converter = _llama_cpp_converter()
     if converter is None:
         pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
-    hf = hf_moe(arch)
-    hf.save_pretrained(tmp_path / "hf")
-    from tiny_models import make_tokenizer
+    import transformers
 
-    make_tokenizer(V).save_pretrained(tmp_path / "hf")
+    from pagedllm.model.loader import default_model_path
+
+    # a tokenizer llama.cpp's converter knows (it refuses unknown pre-tokenizers): the embedded SmolLM2's
+    gguf_path = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                                           gguf_file=os.path.basename(gguf_path))
+    hf = hf_moe(arch, vocab=len(tokenizer), dense_layer=False)
+    hf.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
     out = str(tmp_path / "converted.gguf")
-    subprocess.run([sys.executable, converter, str(tmp_path / "hf"), "--outfile", out, "--outtype", "f32"],
-                   check=True, capture_output=True)
+    done = subprocess.run([sys.executable, converter, str(tmp_path / "hf"), "--outfile", out, "--outtype", "f32"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     ours = load_model(out, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
-    tokens = _tokens(23, 3)
+    tokens = np.random.default_rng(3).integers(0, len(tokenizer), 23).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert (paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
