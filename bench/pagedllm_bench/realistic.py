@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from functools import partial
 
 from pagedllm.dtypes import auto_dtype
 from pagedllm_bench import common
@@ -157,7 +158,9 @@ def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
             "config": "llama-server -np 1"}
 
 
-def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
+def run_single(system: str, model: str, wl: dict, threads: int, dtype: str, *, decode_only: bool = False) -> dict:
+    """Load, single-stream decode, then (unless decode_only: for files whose prefill would take long on this CPU)
+    prefill and decode deep in the context."""
     if system == "llama.cpp" and common.llama_server_binary():
         return run_single_llama_server(model, wl, threads)
     m = _open(system, model, CONTEXT, threads, dtype)
@@ -165,26 +168,13 @@ def run_single(system: str, model: str, wl: dict, threads: int, dtype: str) -> d
     m.generate([p], [2])  # warm-up (kernel load, allocator)
     t_first = _best(lambda: m.generate([p], [1]))
     t_all = _best(lambda: m.generate([p], [1 + d]))
-    prefill = wl["prefill_prompts"]
-    t_prefill = min(_best(lambda q=q: m.generate([q], [1]), 1) for q in prefill)
-    deep = max(m.decode_rate(wl["long_prompt"], d) for _ in range(2))
-    return {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "decode_deep_tok_s": deep,
-            "ttft_s": t_first,
-            "prefill_tok_s": len(prefill[0]) / t_prefill, "peak_rss_mb": common.peak_rss_mb()}
-
-
-def run_decode(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
-    """Load, then single-stream decode alone (the "single" phase without its prefill and long-context parts): for
-    files whose prefill would take long on this CPU."""
-    if system == "llama.cpp" and common.llama_server_binary():
-        return run_single_llama_server(model, wl, threads)
-    m = _open(system, model, CONTEXT, threads, dtype)
-    p, d = wl["decode_prompt"], wl["decode_tokens"]
-    m.generate([p], [2])  # warm-up (kernel load, allocator)
-    t_first = _best(lambda: m.generate([p], [1]))
-    t_all = _best(lambda: m.generate([p], [1 + d]))
-    return {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "ttft_s": t_first,
-            "peak_rss_mb": common.peak_rss_mb()}
+    out = {"load_s": m.load_s, "decode_tok_s": d / max(t_all - t_first, 1e-9), "ttft_s": t_first}
+    if not decode_only:
+        prefill = wl["prefill_prompts"]
+        t_prefill = min(_best(lambda q=q: m.generate([q], [1]), 1) for q in prefill)
+        out["decode_deep_tok_s"] = max(m.decode_rate(wl["long_prompt"], d) for _ in range(2))
+        out["prefill_tok_s"] = len(prefill[0]) / t_prefill
+    return out | {"peak_rss_mb": common.peak_rss_mb()}
 
 
 def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
@@ -290,7 +280,8 @@ def run(args: argparse.Namespace) -> dict:
         common.set_threads(args.threads)
         with open(args.workload, encoding="utf-8") as f:
             wl = json.load(f)
-        fn = {"single": run_single, "decode": run_decode, "offline": run_offline}[args.worker]
+        fn = {"single": run_single, "decode": partial(run_single, decode_only=True), "offline": run_offline}[
+            args.worker]
         res = fn(args.system, args.model, wl, args.threads, args.dtype)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f)

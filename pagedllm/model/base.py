@@ -100,6 +100,8 @@ class CausalLM(nn.Module):
             logits = head(hidden).float()
         if out is not None and logits.data_ptr() != out.data_ptr() and out.shape == logits.shape:
             logits = out.copy_(logits)
+        if self.config.logits_scaling != 1.0:  # (Granite)
+            logits.div_(self.config.logits_scaling)
         cap = self.config.final_logit_softcapping
         if cap:
             logits.div_(cap).tanh_().mul_(cap)

@@ -40,6 +40,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     qk_norm_whole: bool = False  # the q/k norm spans every head's projection at once (OLMoE), not one head
+    # Granite's multipliers: embeddings x embedding_multiplier, each residual branch x residual_multiplier, logits /
+    # logits_scaling, attention scaled by attention_multiplier (None: head_dim ** -0.5 as everywhere else)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
     # mixture of experts (0 experts: a dense model)
     num_experts: int = 0
     num_experts_per_tok: int = 0  # the top k each token uses
@@ -74,6 +80,8 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def features(self) -> set[str]:
@@ -84,7 +92,9 @@ class ModelConfig:
                 # a window no context can exceed changes nothing
                 registry.SLIDING_WINDOW: any((self.layer_window(i) or self.max_position_embeddings)
                                              < self.max_position_embeddings for i in range(self.num_layers)),
-                registry.MOE: self.num_experts > 0, registry.QK_NORM_WHOLE: self.qk_norm_whole}
+                registry.MOE: self.num_experts > 0, registry.QK_NORM_WHOLE: self.qk_norm_whole,
+                registry.MULTIPLIERS: (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling,
+                                       self.attention_multiplier) != (1.0, 1.0, 1.0, None)}
         return {name for name, on in used.items() if on}
 
     @property
@@ -170,9 +180,21 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         bos_token_id=cfg.get("bos_token_id"),
         qk_norm_whole=spec.qk_norm_whole,
         **_hf_experts(cfg, spec, num_layers),
+        **_hf_multipliers(cfg, spec),
     )
     spec.check_features(config.features())
     return config
+
+
+def _hf_multipliers(cfg: dict[str, Any], spec: registry.ArchSpec) -> dict[str, Any]:
+    """Granite's multipliers (its attention is scaled by attention_multiplier, 1.0 unless given)."""
+    if registry.MULTIPLIERS not in spec.supports:
+        return {}
+    out = {key: float(cfg.get(key, 1.0)) for key in ("embedding_multiplier", "residual_multiplier",
+                                                       "logits_scaling", "attention_multiplier")}
+    for key, value in out.items():
+        checked_float(value, key, key, lambda name, detail: InvalidModelError(detail, field=name))
+    return out
 
 
 def _hf_experts(cfg: dict[str, Any], spec: registry.ArchSpec, num_layers: int) -> dict[str, Any]:

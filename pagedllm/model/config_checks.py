@@ -36,6 +36,10 @@ FLOAT_LIMITS: dict[str, float] = {
     "rope_scaling.factor": 1e6,
     "final_logit_softcapping": 1e6,
     "query_pre_attn_scalar": 1e9,
+    "embedding_multiplier": 1e6,
+    "residual_multiplier": 1e6,
+    "logits_scaling": 1e6,
+    "attention_multiplier": 1e6,
 }
 
 Fail = Callable[[str, str], InvalidModelError]  # (field as the file names it, detail) -> the error to raise

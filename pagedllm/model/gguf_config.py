@@ -101,6 +101,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         final_logit_softcapping=softcap,
         qk_norm_whole=spec.qk_norm_whole,
         **experts,
+        **_multipliers(f, spec),
         eos_token_ids=list(dict.fromkeys(eos)),
         bos_token_id=None if bos is None else check_token_id(bos, vocab, "tokenizer.ggml.bos_token_id", fail),
     )
@@ -176,6 +177,20 @@ def _check_layers(f: GGUFFile, num_layers: int) -> None:
         missing = sorted(set(range(num_layers)) - found)[:3]
         raise f.field_error(key, f"{num_layers} layers, but the tensors hold layers {sorted(found)[:3]}... "
                                  f"({len(found)} in all; unexpected {extra}, missing {missing})")
+
+
+def _multipliers(f: GGUFFile, spec: registry.ArchSpec) -> dict[str, Any]:
+    """Granite's multipliers, as llama.cpp's converter names them (its attention scale defaults to 1/sqrt(head_dim)
+    there, as in every other architecture)."""
+    if registry.MULTIPLIERS not in spec.supports:
+        return {}
+    arch, out = f.architecture, {}
+    for key, field in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                       ("logit_scale", "logits_scaling"), ("attention.scale", "attention_multiplier")):
+        value = f.metadata.get(f"{arch}.{key}")
+        if value is not None:
+            out[field] = checked_float(value, field, f"{arch}.{key}", f.field_error)
+    return out
 
 
 def _experts(f: GGUFFile, spec: registry.ArchSpec, num_layers: int, ffn: int, num) -> dict[str, Any]:

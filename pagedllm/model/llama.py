@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2; with a mixture-of-experts MLP: Qwen3-MoE,
-Mixtral, OLMoE) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Granite; with a mixture-of-experts MLP:
+Qwen3-MoE, Mixtral, OLMoE) over the paged KV cache.
 
 It sees one flat batch of new tokens (no padding, no request objects); attention reads and writes the
 per-layer KV pools through the AttentionMetadata.
@@ -29,14 +29,19 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, method, window=window)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.residual_multiplier = cfg.residual_multiplier
         self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                               cfg.norm_topk_prob, dtype, method) if moe
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, method))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_norm(h))
+        attn = self.attn(self.input_norm(h), cos, sin, kv_cache, meta, backend)
+        if self.residual_multiplier != 1.0:  # (Granite)
+            attn = attn * self.residual_multiplier
+        h = h + attn
+        mlp = self.mlp(self.post_norm(h))
+        return h + (mlp * self.residual_multiplier if self.residual_multiplier != 1.0 else mlp)
 
     def linears(self) -> tuple[Linear, ...]:
         return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
@@ -67,6 +72,8 @@ class LlamaForCausalLM(CausalLM):
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
         """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # (Granite)
+            h = h * self.config.embedding_multiplier
         cos, sin = self.rotary(positions, self.dtype)
         if fuses_layers(self, h, kv_caches):  # every layer and the final norm in C++, h updated in place
             run_fused_layers(self, h, [(cos, sin)] * len(self.layers), kv_caches, meta)

@@ -16,6 +16,7 @@ from pagedllm.model.errors import UnsupportedModelError  # noqa: F401  (raised h
 QKV_BIAS, O_BIAS, QK_NORM = "qkv_bias", "o_bias", "qk_norm"
 SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddings", "rope_scaling"
 MOE, QK_NORM_WHOLE = "moe", "qk_norm_whole"  # experts in the MLP; q/k norm over the whole projection (OLMoE)
+MULTIPLIERS = "multipliers"  # Granite's embedding, residual, attention and logit multipliers
 
 # What decoder_layer.cpp computes: a pre-norm layer (Llama's or Gemma 3's) with these optional parts. A model runs
 # its layers fused only when its spec says its layer is one of those and its config uses nothing outside this set.
@@ -83,6 +84,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
              gguf_architectures=("gemma3",), hf_names=_GEMMA3_HF, gguf_names=_GEMMA3_GGUF, fused_layer=True,
              supports=frozenset({QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}), always_qk_norm=True,
              gguf_norm_shift=1.0, sliding_window_pattern=6, gguf_rope_local_theta=10000.0),
+    ArchSpec("granite", hf_architectures=("GraniteForCausalLM",), gguf_architectures=("granite",),
+             gguf_permuted_qk=True, **{**_LLAMA_FAMILY, "supports": _LLAMA_FAMILY["supports"] | {MULTIPLIERS}}),
     ArchSpec("qwen3moe", hf_architectures=("Qwen3MoeForCausalLM",), gguf_architectures=("qwen3moe",),
              hf_names=_MOE_HF, always_qk_norm=True, window_switch="use_sliding_window", gguf_moe_renormalize=True,
              **_MOE_FAMILY),

@@ -48,6 +48,9 @@ def _hf_config(arch: str):
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
         return tf.Qwen3Config(**common, head_dim=24)  # head_dim != hidden/heads, as in real Qwen3
+    if arch == "granite":  # every multiplier away from 1
+        return tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                attention_multiplier=0.2, logits_scaling=2.5)
     # mixtures of experts: 8 (Mixtral 4) experts, 2 per token; a dense layer between sparse ones (Qwen3-MoE)
     if arch == "qwen3moe":
         return tf.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=24, num_experts=8,
@@ -72,8 +75,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / (p.shape[1] ** 0.5 if "embed" not in name else 1.0))
 
 
-ARCHS = ["llama3", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral",
-         "olmoe"]
+ARCHS = ["llama3", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3", "gemma3", "granite", "qwen3moe",
+         "mixtral", "olmoe"]
 
 
 @dataclass
@@ -94,7 +97,8 @@ def pair(request, tmp_path_factory) -> Pair:
     path = str(tmp_path_factory.mktemp(request.param))
     hf.save_pretrained(path)
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
-    assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "olmoe")
+    assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite", "qwen3moe",
+                                        "mixtral", "olmoe")
     assert (ours.config.num_experts > 0) == (request.param in ("qwen3moe", "mixtral", "olmoe"))
     assert (ours.config.sliding_window == WINDOW) == (request.param in ("mistral_window", "gemma3"))
     return Pair(hf, ours, path)

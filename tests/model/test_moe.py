@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from hf_to_gguf import write_hf_as_gguf
 
 from pagedllm.attention import build_attention_metadata
 from pagedllm.kernels import kernel_mode
@@ -55,83 +55,6 @@ def hf_moe(arch: str, seed: int = 0, vocab: int = V, dense_layer: bool = True) -
     return model
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter interleaves the rope pairs of Llama-arch Q/K rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
-          "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
-          "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
-          "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
-          "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down",
-          "mlp.gate.weight": "ffn_gate_inp", "block_sparse_moe.gate.weight": "ffn_gate_inp"}
-_EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
-           "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
-
-
-def write_moe_gguf(hf: torch.nn.Module, arch: str, path: str, matrix_type: Q = Q.F32, **metadata_overrides) -> None:
-    """The checkpoint as llama.cpp's converter lays it out: experts stacked per layer [E, rows, cols], matrices
-    in `matrix_type` (norms and the router stay F32, as llama-quantize leaves them)."""
-    c = hf.config
-    garch = ARCHS[arch]
-    experts = getattr(c, "num_experts", None) or c.num_local_experts
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    meta = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
-            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
-            "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-            "attention.key_length": head_dim, "attention.value_length": head_dim,
-            "rope.freq_base": float(c.rope_parameters["rope_theta"]), "attention.layer_norm_rms_epsilon": c.rms_norm_eps, "vocab_size": V,
-            "expert_count": experts, "expert_used_count": c.num_experts_per_tok}
-    if arch == "qwen3moe":
-        meta["expert_feed_forward_length"] = c.moe_intermediate_size
-    meta |= metadata_overrides
-    w = gguf.GGUFWriter(path, garch)
-    for key, value in meta.items():
-        if value is not None:
-            w.add_key_value(f"{garch}.{key}", value, gguf.GGUFValueType.FLOAT32 if isinstance(value, float)
-                            else gguf.GGUFValueType.UINT32)
-
-    def add(name: str, arr: np.ndarray) -> None:
-        if arr.ndim == 1 or "ffn_gate_inp" in name or matrix_type == Q.F32:
-            w.add_tensor(name, arr.astype(np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), matrix_type), raw_dtype=matrix_type)
-
-    state = _checkpoint(hf, path + ".hf")
-    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    for name, arr in state.items():
-        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            add({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}[name], arr)
-            continue
-        parts = name.split(".")
-        i, rest = parts[2], ".".join(parts[3:])
-        if ".experts." in rest:  # model.layers.i.(mlp|block_sparse_moe).experts.e.w.weight
-            e, kind = int(parts[5]), parts[6]
-            stacks.setdefault((i, _EXPERT[kind]), {})[e] = arr
-            continue
-        if garch == "llama" and rest == "self_attn.q_proj.weight":
-            arr = _permute(arr, c.num_attention_heads)
-        elif garch == "llama" and rest == "self_attn.k_proj.weight":
-            arr = _permute(arr, c.num_key_value_heads)
-        add(f"blk.{i}.{_LAYER[rest]}.weight", arr)
-    for (i, kind), by_expert in stacks.items():
-        add(f"blk.{i}.{kind}.weight", np.stack([by_expert[e] for e in range(len(by_expert))]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _checkpoint(hf: torch.nn.Module, directory: str) -> dict[str, np.ndarray]:
-    """The tensors as a checkpoint stores them (one per expert: transformers 5 fuses them in memory)."""
-    from safetensors.numpy import load_file
-
-    hf.save_pretrained(directory)
-    return load_file(os.path.join(directory, "model.safetensors"))
-
-
 def paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
     bs = 16
     kv = allocate_kv_caches(loaded.config, bs, loaded.dtype, num_blocks=8)
@@ -148,7 +71,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 def test_gguf_moe_matches_transformers(tmp_path, arch):
     hf = hf_moe(arch)
     path = str(tmp_path / f"{arch}.gguf")
-    write_moe_gguf(hf, arch, path)
+    write_hf_as_gguf(hf, ARCHS[arch], path)
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
     cfg = ours.config
     assert cfg.num_experts == (4 if arch == "mixtral" else 8)
@@ -168,7 +91,7 @@ def test_experts_as_stored_match_dequantized(tmp_path, arch):
     """Q8_0 experts run as stored (one quantized GEMM per chosen expert) give the dequantized file's logits,
     within the int8 activations' error."""
     path = str(tmp_path / f"{arch}.q8.gguf")
-    write_moe_gguf(hf_moe(arch, seed=1), arch, path, Q.Q8_0)
+    write_hf_as_gguf(hf_moe(arch, seed=1), ARCHS[arch], path, Q.Q8_0)
     want = paged_logits(load_model(path, "float32", attention_backend="reference", load_tokenizer=False,
                                    quantization="none"), tokens := _tokens(29, 2))
     stored = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="gguf")
@@ -218,28 +141,28 @@ def test_llama_cpp_converted_file_matches_transformers(tmp_path, arch):
 
 def test_expert_count_that_disagrees_with_the_tensors_is_refused(tmp_path):
     path = str(tmp_path / "bad.gguf")
-    write_moe_gguf(hf_moe("olmoe"), "olmoe", path, expert_count=6)
+    write_hf_as_gguf(hf_moe("olmoe"), "olmoe", path, expert_count=6)
     with pytest.raises(InvalidModelError, match=r"ffn_gate_inp.weight.*\(8, 64\).*\(6, 64\)"):
         load_model(path, load_tokenizer=False, quantization="none")
 
 
 def test_top_k_above_the_expert_count_is_refused(tmp_path):
     path = str(tmp_path / "bad.gguf")
-    write_moe_gguf(hf_moe("mixtral"), "mixtral", path, expert_used_count=5)
+    write_hf_as_gguf(hf_moe("mixtral"), "llama", path, expert_used_count=5)
     with pytest.raises(InvalidModelError, match="expert_used_count.*5 experts per token.*expert_count is 4"):
         load_model(path, load_tokenizer=False)
 
 
 def test_expert_width_that_disagrees_is_refused(tmp_path):
     path = str(tmp_path / "bad.gguf")
-    write_moe_gguf(hf_moe("qwen3moe"), "qwen3moe", path, expert_feed_forward_length=48)
+    write_hf_as_gguf(hf_moe("qwen3moe"), "qwen3moe", path, expert_feed_forward_length=48)
     with pytest.raises(InvalidModelError, match=r"ffn_\w+_exps.weight'.*\(8, (32, 64|64, 32)\).*\(8, (48, 64|64, 48)\)"):
         load_model(path, load_tokenizer=False)
 
 
 def test_expert_tensors_without_an_expert_count_are_refused(tmp_path):
     path = str(tmp_path / "bad.gguf")
-    write_moe_gguf(hf_moe("olmoe"), "olmoe", path, expert_count=None)
+    write_hf_as_gguf(hf_moe("olmoe"), "olmoe", path, expert_count=None)
     with pytest.raises(InvalidModelError, match="expert_count: missing"):
         load_model(path, load_tokenizer=False)
 

@@ -1,0 +1,82 @@
+"""Granite (GraniteForCausalLM, GGUF `granite`): a Llama layer with four multipliers (embeddings, each residual
+branch, the attention scale, the logits). The HF-directory path runs every paged-batch test of test_model_hf; here
+the GGUF file, written by our writer and by llama.cpp's converter where `make bench-setup` built it, against
+transformers."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hf_to_gguf import write_hf_as_gguf
+
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import allocate_kv_caches, load_model
+
+
+def _granite(vocab: int = 128) -> torch.nn.Module:
+    import transformers as tf
+
+    cfg = tf.GraniteConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, embedding_multiplier=3.0, residual_multiplier=0.5,
+                           attention_multiplier=0.2, logits_scaling=2.5)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if p.dim() == 1 else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return model
+
+
+def _logits(loaded, tokens: list[int]) -> torch.Tensor:
+    kv = allocate_kv_caches(loaded.config, 16, torch.float32, num_blocks=8)
+    n = len(tokens)
+    meta = build_attention_metadata([[3, 1, 6][: -(-n // 16)]], [0], [n], 16)
+    return loaded.model.compute_logits(loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta))
+
+
+def _check(path: str, hf: torch.nn.Module, vocab: int) -> None:
+    ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
+    cfg = ours.config
+    assert (cfg.architecture, cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == \
+        ("granite", 3.0, 0.5, 2.5)
+    assert cfg.attention_multiplier == pytest.approx(0.2)
+    tokens = np.random.default_rng(2).integers(0, vocab, 29).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert ref.abs().max() > 1.0
+    assert (_logits(ours, tokens) - ref).abs().max().item() < 1e-4
+
+
+def test_granite_gguf_matches_transformers(tmp_path):
+    hf = _granite()
+    path = str(tmp_path / "granite.gguf")
+    write_hf_as_gguf(hf, "granite", path)
+    _check(path, hf, 128)
+
+
+def test_llama_cpp_converted_granite_matches_transformers(tmp_path):
+    found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
+    if not found:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
+    import transformers
+
+    from pagedllm.model.loader import default_model_path
+
+    gguf_path = default_model_path()  # a tokenizer the converter recognises: the embedded SmolLM2's
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                                           gguf_file=os.path.basename(gguf_path))
+    hf = _granite(len(tokenizer))
+    hf.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    out = str(tmp_path / "converted.gguf")
+    done = subprocess.run([sys.executable, found[0], str(tmp_path / "hf"), "--outfile", out, "--outtype", "f32"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _check(out, hf, len(tokenizer))
