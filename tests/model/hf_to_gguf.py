@@ -4,12 +4,19 @@ own writer, next to llama.cpp's `convert_hf_to_gguf.py` where `make bench-setup`
 
 from __future__ import annotations
 
+import glob
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+
+from pagedllm.attention import build_attention_metadata
+from pagedllm.model import allocate_kv_caches
 
 PERMUTED = ("llama", "granite")  # the GGUF architectures whose Q/K rows llama.cpp's converter interleaves
 
@@ -96,3 +103,36 @@ def _checkpoint(hf: torch.nn.Module, directory: str) -> dict[str, np.ndarray]:
     return load_file(os.path.join(directory, "model.safetensors"))
 
 
+
+
+def paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
+    """A loaded model's logits for one prompt, computed in one paged step over scattered 16-token blocks."""
+    bs = 16
+    kv = allocate_kv_caches(loaded.config, bs, loaded.dtype, num_blocks=8)
+    n = len(tokens)
+    meta = build_attention_metadata([[5, 2, 7, 0][: -(-n // bs)]], [0], [n], bs)
+    return loaded.model.compute_logits(loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta))
+
+
+def llama_cpp_convert(make_hf, directory) -> tuple[str, torch.nn.Module, int]:
+    """(GGUF path, the transformers model, its vocabulary size): `make_hf(vocab)` saved with the embedded SmolLM2's
+    tokenizer (llama.cpp's converter refuses pre-tokenizers it does not know) and converted by llama.cpp's own
+    convert_hf_to_gguf.py. Skips where `make bench-setup` did not build it."""
+    found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
+    if not found:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
+    import transformers
+
+    from pagedllm.model.loader import default_model_path
+
+    gguf_path = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                                           gguf_file=os.path.basename(gguf_path))
+    hf = make_hf(len(tokenizer))
+    hf.save_pretrained(os.path.join(directory, "hf"))
+    tokenizer.save_pretrained(os.path.join(directory, "hf"))
+    out = os.path.join(directory, "converted.gguf")
+    done = subprocess.run([sys.executable, found[0], os.path.join(directory, "hf"), "--outfile", out, "--outtype",
+                           "f32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out, hf, len(tokenizer)

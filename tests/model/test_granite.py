@@ -5,18 +5,12 @@ transformers."""
 
 from __future__ import annotations
 
-import glob
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from hf_to_gguf import write_hf_as_gguf
+from hf_to_gguf import llama_cpp_convert, paged_logits, write_hf_as_gguf
 
-from pagedllm.attention import build_attention_metadata
-from pagedllm.model import allocate_kv_caches, load_model
+from pagedllm.model import load_model
 
 
 def _granite(vocab: int = 128) -> torch.nn.Module:
@@ -34,13 +28,6 @@ def _granite(vocab: int = 128) -> torch.nn.Module:
     return model
 
 
-def _logits(loaded, tokens: list[int]) -> torch.Tensor:
-    kv = allocate_kv_caches(loaded.config, 16, torch.float32, num_blocks=8)
-    n = len(tokens)
-    meta = build_attention_metadata([[3, 1, 6][: -(-n // 16)]], [0], [n], 16)
-    return loaded.model.compute_logits(loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta))
-
-
 def _check(path: str, hf: torch.nn.Module, vocab: int) -> None:
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
     cfg = ours.config
@@ -51,7 +38,7 @@ def _check(path: str, hf: torch.nn.Module, vocab: int) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert ref.abs().max() > 1.0
-    assert (_logits(ours, tokens) - ref).abs().max().item() < 1e-4
+    assert (paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
 
 
 def test_granite_gguf_matches_transformers(tmp_path):
@@ -62,21 +49,5 @@ def test_granite_gguf_matches_transformers(tmp_path):
 
 
 def test_llama_cpp_converted_granite_matches_transformers(tmp_path):
-    found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
-    if not found:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
-    import transformers
-
-    from pagedllm.model.loader import default_model_path
-
-    gguf_path = default_model_path()  # a tokenizer the converter recognises: the embedded SmolLM2's
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                           gguf_file=os.path.basename(gguf_path))
-    hf = _granite(len(tokenizer))
-    hf.save_pretrained(tmp_path / "hf")
-    tokenizer.save_pretrained(tmp_path / "hf")
-    out = str(tmp_path / "converted.gguf")
-    done = subprocess.run([sys.executable, found[0], str(tmp_path / "hf"), "--outfile", out, "--outtype", "f32"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    _check(out, hf, len(tokenizer))
+    out, hf, vocab = llama_cpp_convert(_granite, tmp_path)
+    _check(out, hf, vocab)

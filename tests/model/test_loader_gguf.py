@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from hf_to_gguf import paged_logits
 from tiny_models import hf_model_from_gguf
 
-from pagedllm.attention import build_attention_metadata
 from pagedllm.kernels import kernel_mode
-from pagedllm.model import UnsupportedModelError, allocate_kv_caches, load_model
+from pagedllm.model import UnsupportedModelError, load_model
 from pagedllm.model.errors import InvalidModelError
 
 H, FFN, V, LAYERS = 256, 512, 256, 2  # rows of 256: K-quants need it
@@ -121,16 +121,6 @@ TYPE_SETS = {
 }
 
 
-def _paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
-    bs = 16
-    kv = allocate_kv_caches(loaded.config, bs, torch.float32, num_blocks=8)
-    n = len(tokens)
-    table = [5, 2, 7, 0][: -(-n // bs)]
-    meta = build_attention_metadata([table], [0], [n], bs)
-    h = loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta)
-    return loaded.model.compute_logits(h)
-
-
 @pytest.mark.parametrize("types", list(TYPE_SETS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_matches_transformers(tmp_path, arch, types):
@@ -152,13 +142,13 @@ def test_gguf_matches_transformers(tmp_path, arch, types):
     assert ref[torch.float32].abs().max() > 1.0  # the comparison means something
     # batch-dependent kernels run transformers' own fp32 ops (F.linear): the same logits
     with kernel_mode(invariant=False):
-        got = _paged_logits(ours, tokens).double()
+        got = paged_logits(ours, tokens).double()
     assert (got - ref[torch.float32]).abs().max().item() < 1e-4
     # the batch-invariant GEMM sums in another order: measured against float64, it must be as accurate as
     # transformers in float32, within a factor of 2 (these random K-quant models amplify last-bit differences up to
     # ~0.2 logit, and which of two summation orders lands closer is then chance: it differed between CPUs)
     with kernel_mode(invariant=True):
-        got = _paged_logits(ours, tokens).double()
+        got = paged_logits(ours, tokens).double()
     fp32_error = (ref[torch.float32] - ref[torch.float64]).abs()
     error = (got - ref[torch.float64]).abs()
     assert error.max().item() <= 2 * fp32_error.max().item() + 1e-4
@@ -300,7 +290,7 @@ def test_hf_llama3_converted_like_llama_cpp(tmp_path):
     tokens = np.random.default_rng(4).integers(0, V, 40).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
-    assert (_paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
+    assert (paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
 
 
 def test_gguf_model_name_drops_the_quantisation():

@@ -7,20 +7,16 @@ architectures is in tests/model/test_model_hf.py."""
 
 from __future__ import annotations
 
-import glob
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from hf_to_gguf import write_hf_as_gguf
+from hf_to_gguf import llama_cpp_convert, paged_logits, write_hf_as_gguf
 
-from pagedllm.attention import build_attention_metadata
 from pagedllm.kernels import kernel_mode
-from pagedllm.model import allocate_kv_caches, load_model
+from pagedllm.model import load_model
 from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.moe import SparseMoE, group_by_expert, route
 
@@ -53,14 +49,6 @@ def hf_moe(arch: str, seed: int = 0, vocab: int = V, dense_layer: bool = True) -
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / (1.0 if "embed" in name else p.shape[-1] ** 0.5))
     return model
-
-
-def paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
-    bs = 16
-    kv = allocate_kv_caches(loaded.config, bs, loaded.dtype, num_blocks=8)
-    n = len(tokens)
-    meta = build_attention_metadata([[5, 2, 7, 0][: -(-n // bs)]], [0], [n], bs)
-    return loaded.model.compute_logits(loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta))
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -105,33 +93,11 @@ def test_experts_as_stored_match_dequantized(tmp_path, arch):
     assert err.median().item() < 0.03, f"relative logit errors {err.tolist()}"
 
 
-def _llama_cpp_converter() -> str | None:
-    found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
-    return found[0] if found else None
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_llama_cpp_converted_file_matches_transformers(tmp_path, arch):
-    converter = _llama_cpp_converter()
-    if converter is None:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
-    import transformers
-
-    from pagedllm.model.loader import default_model_path
-
-    # a tokenizer llama.cpp's converter knows (it refuses unknown pre-tokenizers): the embedded SmolLM2's
-    gguf_path = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
-                                                           gguf_file=os.path.basename(gguf_path))
-    hf = hf_moe(arch, vocab=len(tokenizer), dense_layer=False)
-    hf.save_pretrained(tmp_path / "hf")
-    tokenizer.save_pretrained(tmp_path / "hf")
-    out = str(tmp_path / "converted.gguf")
-    done = subprocess.run([sys.executable, converter, str(tmp_path / "hf"), "--outfile", out, "--outtype", "f32"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    out, hf, vocab = llama_cpp_convert(lambda v: hf_moe(arch, vocab=v, dense_layer=False), tmp_path)
     ours = load_model(out, "float32", attention_backend="reference", load_tokenizer=False, quantization="none")
-    tokens = np.random.default_rng(3).integers(0, len(tokenizer), 23).tolist()
+    tokens = np.random.default_rng(3).integers(0, vocab, 23).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert (paged_logits(ours, tokens) - ref).abs().max().item() < 1e-4
