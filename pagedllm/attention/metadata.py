@@ -28,6 +28,10 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
+    def token_seq_lens(self) -> torch.Tensor:
+        """[T]: the context length after this step of each new token's request."""
+        return torch.repeat_interleave(self.seq_lens, torch.diff(self.query_start_loc), output_size=self.num_tokens)
+
 
 def per_layer(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata]:
     """The metadata of each layer: one for all, or (hybrid KV groups: one block table per group) a list per layer."""

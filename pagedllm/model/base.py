@@ -11,7 +11,7 @@ from pagedllm.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedllm.kernels import current_mode
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache
-from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear
+from pagedllm.model.layers import RMSNorm, apply_rope, frozen_param, linear, rotary_row_order
 from pagedllm.model.linear import DenseLinearMethod, Linear, LinearMethod
 from pagedllm.quantization.tensor import QuantTensor
 
@@ -24,7 +24,8 @@ class Attention(nn.Module):
                  window: int | None = None, norm: type[nn.Module] = RMSNorm):
         super().__init__()
         self.cfg = cfg
-        self.qkv = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype, method)
+        self.qkv = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype, method,
+                          row_orders=_partial_rotary_orders(cfg))
         self.o = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, dtype, method)
         if cfg.qk_norm:  # per head, or over every head's projection at once (qk_norm_whole)
             whole = cfg.qk_norm_whole
@@ -47,6 +48,15 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
         return self.o(out.reshape(-1, c.q_size))
+
+
+def _partial_rotary_orders(cfg: ModelConfig) -> list[torch.Tensor | None] | None:
+    """With partial rotary, the q and k rows of every head kept in rotary_row_order (RotaryEmbedding's layout)."""
+    if cfg.rotates == cfg.head_dim:
+        return None
+    per_head = rotary_row_order(cfg.head_dim, cfg.rotates)
+    return [(torch.arange(heads)[:, None] * cfg.head_dim + per_head).flatten()
+            for heads in (cfg.num_heads, cfg.num_kv_heads)] + [None]
 
 
 class CausalLM(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,8 @@ from pagedllm.model.config_checks import checked_float, checked_int
 from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.registry import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors")  # freq_factors: GGUF rope_freqs
+# freq_factors: GGUF rope_freqs; longrope: Phi-3's short and long factors, chosen by the sequence's length
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors", "longrope")
 
 
 @dataclass
@@ -28,6 +30,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", "factor": ...} etc.
+    rotary_dim: int | None = None  # the leading dims of each head RoPE rotates (partial rotary: Phi); None: all
+    nope_layers: list[int] = field(default_factory=list)  # layers without positional encoding (SmolLM3's NoPE)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # bias on q/k/v (Qwen2, Llama with attention_bias)
     o_bias: bool = False  # bias on the output projection (Llama with attention_bias)
@@ -60,12 +64,24 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported; supported: "
-                                        f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+                                        f"{', '.join(SUPPORTED_ROPE_TYPES)}", field="rope_scaling.rope_type")
+        if not (self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0)):
+            raise InvalidModelError(f"{self.rotary_dim} rotary dims do not fit a head of {self.head_dim} in pairs",
+                                    field="partial_rotary_factor")
+        if self.qk_norm and self.rotates < self.head_dim:
+            raise UnsupportedModelError("a per-head q/k norm with partial rotary is not supported")
+        if rope_type == "longrope":
+            check_longrope(self.rope_scaling, self.rotates)
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise InvalidModelError(f"{self.num_experts_per_tok} experts per token is outside [1, "
                                     f"{self.num_experts}] (the experts per layer)", field="num_experts_per_tok")
+
+    @property
+    def rotates(self) -> int:
+        """The dims of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -93,6 +109,7 @@ class ModelConfig:
                 registry.SLIDING_WINDOW: any((self.layer_window(i) or self.max_position_embeddings)
                                              < self.max_position_embeddings for i in range(self.num_layers)),
                 registry.MOE: self.num_experts > 0, registry.QK_NORM_WHOLE: self.qk_norm_whole,
+                registry.PARTIAL_ROTARY: self.rotates < self.head_dim, registry.NOPE: bool(self.nope_layers),
                 registry.MULTIPLIERS: (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling,
                                        self.attention_multiplier) != (1.0, 1.0, 1.0, None)}
         return {name for name, on in used.items() if on}
@@ -104,6 +121,28 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def check_longrope(scaling: dict[str, Any], rotates: int) -> None:
+    """LongRoPE's parameters, complete and sane (InvalidModelError naming the field): one short and one long
+    factor per rotated pair, the context they switch at, the cos/sin scale."""
+    def fail(key: str, detail: str) -> InvalidModelError:
+        return InvalidModelError(detail, field=f"rope_scaling.{key}")
+
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if factors is None:
+            raise fail(key, "missing (LongRoPE needs a short and a long factor per rotated pair)")
+        if not (isinstance(factors, list | tuple) and len(factors) == rotates // 2):
+            raise fail(key, f"must be a list of {rotates // 2} numbers (one per rotated pair)")
+        for x in factors:
+            checked_float(x, "rope_scaling.factor", f"rope_scaling.{key}", fail)
+    if scaling.get("original_max_position_embeddings") is None:
+        raise fail("original_max_position_embeddings", "missing (the context length where LongRoPE switches from "
+                                                        "the short to the long factors)")
+    checked_int(scaling["original_max_position_embeddings"], "max_position_embeddings",
+                "original_max_position_embeddings", fail)
+    checked_float(scaling.get("attention_factor", 1.0), "rope_scaling.factor", "attention_factor", fail)
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
@@ -135,7 +174,11 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     rope = dict(rope.pop("full_attention", None) or rope)
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     local_theta = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    rotary = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     scaling = _rope_scaling(rope)
+    if scaling and scaling["rope_type"] == "longrope":
+        scaling = _longrope(scaling, cfg)
     if _rope_scaling(local_rope):
         raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
     if cfg.get("mlp_bias"):
@@ -161,12 +204,14 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         intermediate_size=int(cfg["intermediate_size"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_dim=int(head_dim * rotary) if rotary != 1.0 else None,
+        nope_layers=_hf_nope_layers(cfg, spec, num_layers),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=spec.always_qkv_bias or bool(cfg.get("attention_bias", False)),
         o_bias=not spec.always_qkv_bias and bool(cfg.get("attention_bias", False)),
@@ -184,6 +229,40 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     )
     spec.check_features(config.features())
     return config
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE as transformers reads it: the switch point from the scaling or the config's top level, and the
+    cos/sin scale, where not given, from the context extension factor (max over original context)."""
+    out = dict(scaling)
+    original = out.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if original is not None and "attention_factor" not in out:
+        original = checked_int(original, "max_position_embeddings", "original_max_position_embeddings",
+                               lambda name, detail: InvalidModelError(detail, field=name))
+        factor = float(out.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original)
+        out["attention_factor"] = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return out
+
+
+def _hf_nope_layers(cfg: dict[str, Any], spec: registry.ArchSpec, num_layers: int) -> list[int]:
+    """The layers without RoPE (SmolLM3): its `no_rope_layers` flags (1: the layer uses RoPE), or every
+    `no_rope_layer_interval`-th layer (the architecture's default interval where the config gives neither)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", spec.nope_interval)
+        if interval is None:
+            return []
+        interval = checked_int(interval, "num_layers", "no_rope_layer_interval",
+                               lambda name, detail: InvalidModelError(detail, field=name))
+        return nope_every(interval, num_layers)
+    if not (isinstance(flags, list) and len(flags) == num_layers and all(f in (0, 1) for f in flags)):
+        raise InvalidModelError(f"must be {num_layers} flags of 0 or 1 (one per layer)", field="no_rope_layers")
+    return [i for i, uses_rope in enumerate(flags) if not uses_rope]
+
+
+def nope_every(interval: int, num_layers: int) -> list[int]:
+    """Every interval-th layer without RoPE (SmolLM3: layers 3, 7, 11, ...)."""
+    return [i for i in range(num_layers) if (i + 1) % interval == 0]
 
 
 def _hf_multipliers(cfg: dict[str, Any], spec: registry.ArchSpec) -> dict[str, Any]:
@@ -240,6 +319,8 @@ def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
     rope = {k: v for k, v in rope.items() if k != "rope_theta"}
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
+    if rope.get("rope_type") == "su":  # LongRoPE's first name (early Phi-3 configs)
+        rope["rope_type"] = "longrope"
     return rope if rope.get("rope_type", "default") != "default" else None
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.model import registry
-from pagedllm.model.config import ModelConfig, pattern_layer_types
+from pagedllm.model import registry, weight_names
+from pagedllm.model.config import ModelConfig, nope_every, pattern_layer_types
 from pagedllm.model.config_checks import check_head_layout, check_token_id, checked_float, checked_int
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.gguf_reader import GGUFFile, StringArray
@@ -71,7 +71,12 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         dims |= {f"{arch}.expert_count": experts["num_experts"],
                  f"{arch}.expert_feed_forward_length": experts["moe_intermediate_size"]}
     q, kv = heads * head_dim, kv_heads * head_dim
-    want = _tensor_shapes(vocab=vocab, hidden=hidden, q=q, kv=kv, ffn=ffn,
+    rotary = num("rope.dimension_count", "head_dim", head_dim)
+    if rotary > head_dim or rotary % 2:
+        raise fail(f"{arch}.rope.dimension_count", f"{rotary} rotary dims do not fit a head of {head_dim} in pairs")
+    fused_gate_up = isinstance(spec.gguf_names.get("blk.{i}.ffn_up.weight"), tuple) and \
+        spec.gguf_names["blk.{i}.ffn_up.weight"][1] == weight_names.ALL
+    want = _tensor_shapes(vocab=vocab, hidden=hidden, q=q, kv=kv, ffn=ffn, fused_gate_up=fused_gate_up,
                           qk_norm=(q, kv) if spec.qk_norm_whole else (head_dim, head_dim),
                           experts=experts.get("num_experts", 0), expert_ffn=experts.get("moe_intermediate_size", 0))
     _check_shapes(f, dims, want)
@@ -91,7 +96,9 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         max_position_embeddings=context,
         rms_norm_eps=eps,
         rope_theta=theta,
-        rope_scaling=_rope_scaling(f, arch, head_dim),
+        rope_scaling=_rope_scaling(f, arch, rotary),
+        rotary_dim=rotary if rotary < head_dim else None,
+        nope_layers=nope_every(spec.nope_interval, num_layers) if spec.nope_interval else [],
         tie_word_embeddings="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
@@ -214,12 +221,14 @@ def _experts(f: GGUFFile, spec: registry.ArchSpec, num_layers: int, ffn: int, nu
                 dense_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors])
 
 
-def _tensor_shapes(*, vocab: int, hidden: int, q: int, kv: int, ffn: int, qk_norm: tuple[int, int], experts: int,
-                   expert_ffn: int) -> dict[str, tuple[int, ...]]:
-    """Tensor name (within a layer) -> the shape the metadata implies (torch order: rows first)."""
+def _tensor_shapes(*, vocab: int, hidden: int, q: int, kv: int, ffn: int, fused_gate_up: bool,
+                   qk_norm: tuple[int, int], experts: int, expert_ffn: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name (within a layer) -> the shape the metadata implies (torch order: rows first; fused_gate_up:
+    ffn_up holds gate|up, as Phi-3's does)."""
     want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
             "attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
-            "attn_output.weight": (hidden, q), "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden),
+            "attn_qkv.weight": (q + 2 * kv, hidden), "attn_output.weight": (hidden, q),
+            "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (2 * ffn if fused_gate_up else ffn, hidden),
             "ffn_down.weight": (hidden, ffn), "attn_q_norm.weight": (qk_norm[0],),
             "attn_k_norm.weight": (qk_norm[1],)}
     if experts:
@@ -240,19 +249,21 @@ def _check_shapes(f: GGUFFile, dims: dict[str, int], want: dict[str, tuple[int, 
                                                    f"metadata implies ({said})")
 
 
-def _rope_scaling(f: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | None:
+def _rope_scaling(f: GGUFFile, arch: str, rotary: int) -> dict[str, Any] | None:
+    """The RoPE scaling of a file: per-frequency divisors (rope_freqs: llama3-style), LongRoPE's short and long
+    factors (rope_factors_short / _long: Phi-3), or a linear factor; `rotary`: the dims rotated per head."""
     m = f.metadata
     kind = m.get(f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in f.tensors:  # llama3-style scaling stored as per-frequency divisors
-        from pagedllm.model.gguf_loader import dequantize
-
-        t = f.tensors["rope_freqs.weight"]
-        if t.shape != (head_dim // 2,):
-            raise f.field_error("tensor 'rope_freqs.weight'", f"shape {t.shape} is not ({head_dim // 2},)")
-        factors = dequantize(f, t).float()
-        if not (factors.isfinite().all() and (factors > 0).all()):
-            raise f.field_error("tensor 'rope_freqs.weight'", "holds a factor that is not finite and positive")
-        return {"rope_type": "freq_factors", "factors": factors.tolist()}
+        return {"rope_type": "freq_factors", "factors": _rope_factors(f, "rope_freqs.weight", rotary)}
+    if "rope_factors_long.weight" in f.tensors or "rope_factors_short.weight" in f.tensors:
+        key = f"{arch}.rope.scaling.original_context_length"
+        if key not in m:
+            raise f.field_error(key, "missing (the context length where LongRoPE switches to the long factors)")
+        return {"rope_type": "longrope", "original_max_position_embeddings": m[key],
+                "short_factor": _rope_factors(f, "rope_factors_short.weight", rotary),
+                "long_factor": _rope_factors(f, "rope_factors_long.weight", rotary),
+                "attention_factor": m.get(f"{arch}.rope.scaling.attn_factor", 1.0)}
     if kind == "linear":
         key = f"{arch}.rope.scaling.factor"
         return {"rope_type": "linear", "factor": checked_float(m.get(key), "rope_scaling.factor", key,
@@ -262,3 +273,17 @@ def _rope_scaling(f: GGUFFile, arch: str, head_dim: int) -> dict[str, Any] | Non
                                     field=f"{arch}.rope.scaling.type")
     return None
 
+
+def _rope_factors(f: GGUFFile, name: str, rotary: int) -> list[float]:
+    """One finite, positive factor per rotated pair, from tensor `name`."""
+    from pagedllm.model.gguf_loader import dequantize
+
+    t = f.tensors.get(name)
+    if t is None:
+        raise f.field_error(f"tensor {name!r}", "missing")
+    if t.shape != (rotary // 2,):
+        raise f.field_error(f"tensor {name!r}", f"shape {t.shape} is not ({rotary // 2},) (one per rotated pair)")
+    factors = dequantize(f, t).float()
+    if not (factors.isfinite().all() and (factors > 0).all()):
+        raise f.field_error(f"tensor {name!r}", "holds a factor that is not finite and positive")
+    return factors.tolist()

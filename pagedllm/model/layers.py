@@ -49,10 +49,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies, including llama3 and linear scaling (same formulas as transformers)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of `dim` rotated dims, including llama3, linear and LongRoPE scaling (long: LongRoPE's
+    long factors, else its short ones); the same formulas as transformers."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "freq_factors":  # GGUF stores llama3 scaling as one divisor per frequency
@@ -71,25 +76,67 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, smoothed, scaled)
 
 
+def rotary_row_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order in which to store each head's q/k rows so that partial rotary becomes full rotate-half: HF rotates
+    pairs (i, i + r/2) of the first r dims and passes the rest; stored as [rot[:r/2], pass[:half], rot[r/2:],
+    pass[half:]], the pairs are (i, i + D/2) and the passed dims pair with each other under a rotation by angle 0.
+    q.k is unchanged (q and k are reordered alike), so every attention kernel runs it as it is."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat((torch.arange(r), torch.arange(rotary_dim, rotary_dim + rest), torch.arange(r, rotary_dim),
+                      torch.arange(rotary_dim + rest, head_dim)))
+
+
 class RotaryEmbedding(nn.Module):
     TABLE_STEP = 1024  # the tables grow to the next multiple of this many positions
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, rotary_dim: int | None = None):
+        """rotary_dim < head_dim: the q/k rows are in rotary_row_order, the other dims rotate by angle 0.
+        LongRoPE: a second table of the long factors, used for the tokens of sequences longer than `switch`, and
+        cos/sin (of the rotated dims) scaled by its attention factor."""
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
-        self._cos = self._sin = torch.empty(0, 2 * self.inv_freq.numel())  # float32 rows of positions 0, 1, ...
+        rot = rotary_dim or head_dim
+        longrope = (scaling or {}).get("rope_type") == "longrope"
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        def padded(inv_freq: torch.Tensor) -> torch.Tensor:  # the passed dims' frequency is 0: cos 1, sin 0
+            return torch.cat((inv_freq, torch.zeros((head_dim - rot) // 2)))
+
+        self.register_buffer("inv_freq", padded(rope_inv_freq(rot, theta, scaling)), persistent=False)
+        self.long_inv_freq = padded(rope_inv_freq(rot, theta, scaling, long=True)) if longrope else None
+        self.switch = int(scaling["original_max_position_embeddings"]) if longrope else None
+        rotated = (torch.arange(head_dim) % (head_dim // 2)) < rot // 2
+        factor = float(scaling.get("attention_factor", 1.0)) if longrope else 1.0
+        self._scale = torch.where(rotated, factor, 1.0) if factor != 1.0 else None
+        self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # long -> float32 cos, sin of positions 0..
+
+    def _table(self, long: bool, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._tables.get(long, (torch.empty(0), torch.empty(0)))
+        if needed > cos.shape[0]:
+            size = -(-needed // self.TABLE_STEP) * self.TABLE_STEP
+            inv_freq = self.long_inv_freq if long else self.inv_freq
+            freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if self._scale is not None:
+                cos, sin = cos * self._scale, sin * self._scale
+            self._tables[long] = cos, sin
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D] (broadcast over heads), once per forward for all layers: rows gathered from
         tables of every position so far, the same values as computing them per position, in two calls where
-        computing them took eight in every decode step."""
+        computing them took eight in every decode step. seq_lens [T] (LongRoPE): each token's sequence length
+        after this step; a token of a sequence longer than the switch takes the long factors' row, as
+        transformers chooses them by the length of the sequence it computes."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self._cos.shape[0]:
-            size = -(-needed // self.TABLE_STEP) * self.TABLE_STEP
-            freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :].float()
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos(), emb.sin()
-        cos, sin = self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+        cos, sin = self._table(False, needed)
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        if self.switch is not None and seq_lens is not None:
+            long = seq_lens > self.switch
+            if bool(long.any()):
+                long_cos, long_sin = self._table(True, needed)
+                cos = torch.where(long[:, None], long_cos.index_select(0, positions), cos)
+                sin = torch.where(long[:, None], long_sin.index_select(0, positions), sin)
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 

@@ -74,11 +74,13 @@ DENSE = DenseLinearMethod()
 
 class Linear(nn.Module):
     """y = x W^T (+ b). W may stack several checkpoint tensors by rows (output_sizes: q|k|v, gate|up); shard k
-    of it is rows sum(output_sizes[:k]) .. + output_sizes[k]."""
+    of it is rows sum(output_sizes[:k]) .. + output_sizes[k]. row_orders: per shard, None or the order in which to
+    keep the checkpoint's rows (weight and bias), applied as they load."""
 
     def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool, dtype: torch.dtype,
-                 method: LinearMethod | None = None):
+                 method: LinearMethod | None = None, row_orders: list[torch.Tensor | None] | None = None):
         super().__init__()
+        self.row_orders = row_orders
         self.input_size = input_size
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.output_size = sum(self.output_sizes)
@@ -93,6 +95,12 @@ class Linear(nn.Module):
         return slice(start, start + self.output_sizes[shard])
 
     def load_weight(self, param_name: str, tensor: torch.Tensor, shard: int | None, name: str) -> None:
+        order = self.row_orders[shard or 0] if self.row_orders else None
+        if order is not None:
+            if tensor.shape[0] != order.numel():
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the config "
+                                 f"({order.numel()} rows)")
+            tensor = tensor.rows(order) if hasattr(tensor, "rows") else tensor[order]
         if param_name == "bias":
             load_dense(self.bias, tensor, name, self.shard_rows(shard))
         else:

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Granite; with a mixture-of-experts MLP:
-Qwen3-MoE, Mixtral, OLMoE) over the paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Phi-3; with a
+mixture-of-experts MLP: Qwen3-MoE, Mixtral, OLMoE) over the paged KV cache.
 
 It sees one flat batch of new tokens (no padding, no request objects); attention reads and writes the
 per-layer KV pools through the AttentionMetadata.
@@ -64,7 +64,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg, dtype, attention_backend, linear_method)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, linear_method, cfg.layer_window(i), cfg.is_moe_layer(i))
                                     for i in range(cfg.num_layers))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         init_fused_layers(self)
 
     @torch.inference_mode()
@@ -74,10 +74,16 @@ class LlamaForCausalLM(CausalLM):
         h = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:  # (Granite)
             h = h * self.config.embedding_multiplier
-        cos, sin = self.rotary(positions, self.dtype)
+        metas = per_layer(meta, len(self.layers))
+        rope = self.rotary(positions, self.dtype, metas[0].token_seq_lens() if self.rotary.switch else None)
+        ropes = [rope] * len(self.layers)
+        if self.config.nope_layers:  # (SmolLM3) a rotation by angle 0: exactly no positional encoding
+            identity = torch.ones_like(rope[0]), torch.zeros_like(rope[1])
+            for i in self.config.nope_layers:
+                ropes[i] = identity
         if fuses_layers(self, h, kv_caches):  # every layer and the final norm in C++, h updated in place
-            run_fused_layers(self, h, [(cos, sin)] * len(self.layers), kv_caches, meta)
+            run_fused_layers(self, h, ropes, kv_caches, meta)
             return h
-        for layer, kv, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers)), strict=True):
+        for layer, (cos, sin), kv, m in zip(self.layers, ropes, kv_caches, metas, strict=True):
             h = layer(h, cos, sin, kv, m, self.attn_backend)
         return self.norm(h)

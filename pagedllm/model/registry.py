@@ -17,10 +17,13 @@ QKV_BIAS, O_BIAS, QK_NORM = "qkv_bias", "o_bias", "qk_norm"
 SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddings", "rope_scaling"
 MOE, QK_NORM_WHOLE = "moe", "qk_norm_whole"  # experts in the MLP; q/k norm over the whole projection (OLMoE)
 MULTIPLIERS = "multipliers"  # Granite's embedding, residual, attention and logit multipliers
+PARTIAL_ROTARY, NOPE = "partial_rotary", "nope_layers"  # RoPE on part of each head (Phi); NoPE layers (SmolLM3)
 
 # What decoder_layer.cpp computes: a pre-norm layer (Llama's or Gemma 3's) with these optional parts. A model runs
 # its layers fused only when its spec says its layer is one of those and its config uses nothing outside this set.
-FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW})
+# (Partial rotary and NoPE layers are in the rotary tables and the Q/K row order, which the stack takes as given.)
+FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW,
+                                  PARTIAL_ROTARY, NOPE})
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ArchSpec:
     moe_renormalize: bool | None = None  # the top-k weights renormalised whatever config.json says (Mixtral)
     gguf_moe_renormalize: bool = False  # what llama.cpp's graph does for the architecture (a file may say)
     qk_norm_whole: bool = False  # the q/k norm spans all heads' projection (OLMoE), not one head
+    nope_interval: int | None = None  # every n-th layer without RoPE, where a checkpoint does not list them (SmolLM3)
 
     def model_cls(self) -> type:
         module, cls = self.model_class.split(":")
@@ -63,6 +67,7 @@ _LLAMA_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", hf_nam
                      gguf_names=_LLAMA_GGUF, fused_layer=True,
                      supports=frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW}))
 _GEMMA3_HF, _GEMMA3_GGUF = weight_names.by_format(weight_names.GEMMA3)
+_PHI3_HF, _PHI3_GGUF = weight_names.by_format(weight_names.PHI3)
 _MOE_HF, _MOE_GGUF = weight_names.by_format(weight_names.LLAMA_MOE)
 _MIXTRAL_HF, _ = weight_names.by_format(weight_names.MIXTRAL)
 # the llama family's layer with its MLP a mixture of experts (the torch layers: the fused C++ layer has no experts)
@@ -86,6 +91,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
              gguf_norm_shift=1.0, sliding_window_pattern=6, gguf_rope_local_theta=10000.0),
     ArchSpec("granite", hf_architectures=("GraniteForCausalLM",), gguf_architectures=("granite",),
              gguf_permuted_qk=True, **{**_LLAMA_FAMILY, "supports": _LLAMA_FAMILY["supports"] | {MULTIPLIERS}}),
+    ArchSpec("phi3", hf_architectures=("Phi3ForCausalLM",), gguf_architectures=("phi3",),
+             **{**_LLAMA_FAMILY, "hf_names": _PHI3_HF, "gguf_names": _PHI3_GGUF,
+                "supports": _LLAMA_FAMILY["supports"] | {PARTIAL_ROTARY}}),
+    ArchSpec("smollm3", hf_architectures=("SmolLM3ForCausalLM",), gguf_architectures=("smollm3",),
+             gguf_permuted_qk=True, window_switch="use_sliding_window", nope_interval=4,
+             **{**_LLAMA_FAMILY, "supports": _LLAMA_FAMILY["supports"] | {NOPE}}),
     ArchSpec("qwen3moe", hf_architectures=("Qwen3MoeForCausalLM",), gguf_architectures=("qwen3moe",),
              hf_names=_MOE_HF, always_qk_norm=True, window_switch="use_sliding_window", gguf_moe_renormalize=True,
              **_MOE_FAMILY),

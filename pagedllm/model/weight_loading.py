@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.linear import Linear, load_dense
-from pagedllm.model.weight_names import IGNORED_SUFFIXES, TIED_COPIES, Target, expand
+from pagedllm.model.weight_names import ALL, IGNORED_SUFFIXES, TIED_COPIES, Target, expand
 from pagedllm.quantization.tensor import QuantTensor
 
 
@@ -48,6 +48,18 @@ def _experts_of(stacked: torch.Tensor | list[QuantTensor], num_experts: int, nam
     return stacked if isinstance(stacked, list) else stacked.unbind(0)
 
 
+def _shards_of(model: nn.Module, path: str, tensor: torch.Tensor | QuantTensor, name: str):
+    """A fused checkpoint tensor (every shard of a Linear, stacked by rows) as (shard, piece) pairs."""
+    owner, _ = _owner(model, path)
+    sizes = owner.output_sizes
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not stack the config's shards "
+                         f"({' + '.join(map(str, sizes))} rows)")
+    if isinstance(tensor, QuantTensor):
+        return enumerate(tensor.split_rows(sizes))
+    return enumerate(tensor.split(sizes))
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], table: dict[str, Target],
                  num_layers: int, num_experts: int = 0) -> None:
     """Put every checkpoint tensor where `table` says. Raises ValueError on a name the table does not know or the
@@ -64,6 +76,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
         if "{e}" in path:  # every expert's tensor of a layer, stacked (GGUF)
             for e, piece in enumerate(_experts_of(tensor, num_experts, name)):
                 _load_one(model, path.replace("{e}", str(e)), shard, piece, f"{name}[{e}]")
+        elif shard == ALL:
+            for k, piece in _shards_of(model, path, tensor, name):
+                _load_one(model, path, k, piece, f"{name}[{k}]")
         else:
             _load_one(model, path, shard, tensor, name)
         seen.add(name)

@@ -13,6 +13,7 @@ Target = str | tuple[str, int]
 
 Q, K, V = 0, 1, 2  # shards of attn.qkv
 GATE, UP = 0, 1  # shards of mlp.gate_up
+ALL = -1  # a checkpoint tensor that is every shard of a fused parameter, stacked by rows (Phi-3's qkv_proj)
 
 # (HF safetensors name, GGUF name, our parameter)
 Row = tuple[str, str, Target]
@@ -41,6 +42,13 @@ LLAMA: list[Row] = _COMMON + [
     ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", ("layers.{i}.attn.qkv.bias", K)),
     ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", ("layers.{i}.attn.qkv.bias", V)),
     ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", "layers.{i}.attn.o.bias"),
+]
+
+# Phi-3 / Phi-4-mini: the Llama layer with q|k|v and gate|up each one checkpoint tensor (GGUF: ffn_up is gate|up)
+_FUSED_PROJECTIONS = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+PHI3: list[Row] = [row for row in LLAMA if not any(f".{p}." in row[0] for p in _FUSED_PROJECTIONS)] + [
+    ("model.layers.{i}.self_attn.qkv_proj.weight", "blk.{i}.attn_qkv.weight", ("layers.{i}.attn.qkv.weight", ALL)),
+    ("model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight", ("layers.{i}.mlp.gate_up.weight", ALL)),
 ]
 
 # the mixture-of-experts MLP (Qwen3-MoE, OLMoE; GGUF: every MoE family): a router and E experts, "{e}" the expert
@@ -80,9 +88,10 @@ def by_format(rows: list[Row]) -> tuple[dict[str, Target], dict[str, Target]]:
     return {hf: t for hf, _, t in rows}, {gguf: t for _, gguf, t in rows}
 
 
-# Checkpoint entries that carry no weight of ours: rotary tables (recomputed), GGUF rope_freqs (folded into the
-# config), and an lm_head copy stored next to tied embeddings.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight")
+# Checkpoint entries that carry no weight of ours: rotary tables (recomputed), GGUF rope_freqs and LongRoPE factors
+# (folded into the config), and an lm_head copy stored next to tied embeddings.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rope_freqs.weight", "rope_factors_long.weight",
+                    "rope_factors_short.weight")
 TIED_COPIES = ("lm_head.weight",)
 
 

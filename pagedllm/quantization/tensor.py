@@ -89,10 +89,24 @@ class QuantTensor:
         return self.rows(ids).dequantize().to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantTensor:
-        """The rows at `index` (a copy): for llama.cpp's Q/K row permutation and for embedding lookups."""
+        """The rows at `index` (a copy, which releases the source's pages once packed): for Q/K row orders and for
+        embedding lookups."""
         if self.is_packed:
             raise ValueError("rows() reads a matrix in its file layout; this one is packed")
-        return QuantTensor(self.data[index], self.qtype, self.cols)
+        return QuantTensor(self.data[index], self.qtype, self.cols, self.release_source)
+
+    def split_rows(self, sizes: list[int]) -> list[QuantTensor]:
+        """Consecutive row ranges of these sizes (a fused q|k|v or gate|up as its checkpoint shards): views that
+        release the whole source's pages once packed, copies where they will not be packed."""
+        parts, start = [], 0
+        for n in sizes:
+            part = QuantTensor(self.data[start:start + n], self.qtype, self.cols, self.release_source)
+            parts.append(part if part.packable or part.release_source is None
+                         else QuantTensor(part.data.clone(), self.qtype, self.cols))
+            start += n
+        if self.release_source is not None and not any(p.release_source for p in parts):
+            self.release_source()  # every part is a copy
+        return parts
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the oracle's weights."""

@@ -5,6 +5,7 @@ own writer, next to llama.cpp's `convert_hf_to_gguf.py` where `make bench-setup`
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -105,19 +106,29 @@ def _checkpoint(hf: torch.nn.Module, directory: str) -> dict[str, np.ndarray]:
 
 
 
-def paged_logits(loaded, tokens: list[int]) -> torch.Tensor:
-    """A loaded model's logits for one prompt, computed in one paged step over scattered 16-token blocks."""
+def paged_logits(loaded, tokens: list[int], steps: list[int] | None = None) -> torch.Tensor:
+    """A loaded model's logits for one prompt, computed over scattered 16-token blocks in one paged step, or in
+    steps of these many tokens (a prefill, then one-token decode steps: [n, 1, 1, ...])."""
     bs = 16
-    kv = allocate_kv_caches(loaded.config, bs, loaded.dtype, num_blocks=8)
-    n = len(tokens)
-    meta = build_attention_metadata([[5, 2, 7, 0][: -(-n // bs)]], [0], [n], bs)
-    return loaded.model.compute_logits(loaded.model(torch.tensor(tokens), torch.arange(n), kv, meta))
+    steps = steps or [len(tokens)]
+    assert sum(steps) == len(tokens)
+    blocks = [5, 2, 7, 0, 9, 3, 8, 1, 6, 4][: -(-len(tokens) // bs)]
+    kv = allocate_kv_caches(loaded.config, bs, loaded.dtype, num_blocks=10)
+    out, done = [], 0
+    for n in steps:
+        meta = build_attention_metadata([blocks], [done], [n], bs)
+        hidden = loaded.model(torch.tensor(tokens[done:done + n]), torch.arange(done, done + n), kv, meta)
+        out.append(loaded.model.compute_logits(hidden))
+        done += n
+    return torch.cat(out)
 
 
-def llama_cpp_convert(make_hf, directory) -> tuple[str, torch.nn.Module, int]:
+def llama_cpp_convert(make_hf, directory, tokenizer_class: str | None = None,
+                      outtype: str = "f32") -> tuple[str, torch.nn.Module, int]:
     """(GGUF path, the transformers model, its vocabulary size): `make_hf(vocab)` saved with the embedded SmolLM2's
-    tokenizer (llama.cpp's converter refuses pre-tokenizers it does not know) and converted by llama.cpp's own
-    convert_hf_to_gguf.py. Skips where `make bench-setup` did not build it."""
+    tokenizer (llama.cpp's converter refuses pre-tokenizers it does not know), its tokenizer_config naming
+    `tokenizer_class` where given (Phi-4-mini's "GPT2Tokenizer" takes the converter's BPE path), and converted by
+    llama.cpp's own convert_hf_to_gguf.py (matrices as `outtype`). Skips where `make bench-setup` did not build it."""
     found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
     if not found:
         pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
@@ -131,8 +142,14 @@ def llama_cpp_convert(make_hf, directory) -> tuple[str, torch.nn.Module, int]:
     hf = make_hf(len(tokenizer))
     hf.save_pretrained(os.path.join(directory, "hf"))
     tokenizer.save_pretrained(os.path.join(directory, "hf"))
+    if tokenizer_class:
+        config_path = os.path.join(directory, "hf", "tokenizer_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        with open(config_path, "w") as f:
+            json.dump({**config, "tokenizer_class": tokenizer_class, "add_prefix_space": False}, f)
     out = os.path.join(directory, "converted.gguf")
     done = subprocess.run([sys.executable, found[0], os.path.join(directory, "hf"), "--outfile", out, "--outtype",
-                           "f32"], capture_output=True, text=True)
+                           outtype], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return out, hf, len(tokenizer)

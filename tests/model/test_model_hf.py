@@ -1,7 +1,8 @@
-"""pagedllm's models vs transformers (the oracle) on tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 3
-checkpoints saved as safetensors: same float32 logits (max abs diff < 1e-4) for every way a flat paged batch can
-be cut, and the same greedy tokens. Two of them have sliding windows of 8 tokens (2 blocks), shorter than most
-contexts here: chunks, decode steps and prefix hits cross the window edge."""
+"""pagedllm's models vs transformers (the oracle) on tiny random checkpoints of every family (Llama, Mistral, Qwen2,
+Qwen3, Gemma 3, Granite, Phi-3, SmolLM3 and the mixtures of experts) saved as safetensors: same float32 logits (max
+abs diff < 1e-4) for every way a flat paged batch can be cut, and the same greedy tokens. Three of them have
+sliding windows of 8 tokens (2 blocks), shorter than most contexts here: chunks, decode steps and prefix hits cross
+the window edge."""
 
 from __future__ import annotations
 
@@ -51,6 +52,16 @@ def _hf_config(arch: str):
     if arch == "granite":  # every multiplier away from 1
         return tf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5,
                                 attention_multiplier=0.2, logits_scaling=2.5)
+    if arch == "phi3":  # Phi-4-mini's switches: partial rotary 0.75, LongRoPE (switching beyond these tests'
+        # lengths: test_phi3 crosses it), a sliding window
+        pairs = 6  # of the 12 rotated dims of 16
+        return tf.Phi3Config(**common, original_max_position_embeddings=256, sliding_window=WINDOW, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 256, "short_factor": [1.0 + 0.2 * i for i in range(pairs)],
+            "long_factor": [3.0 + 0.5 * i for i in range(pairs)]}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "smollm3":  # the middle layer without RoPE
+        return tf.SmolLM3Config(**{**common, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2)
     # mixtures of experts: 8 (Mixtral 4) experts, 2 per token; a dense layer between sparse ones (Qwen3-MoE)
     if arch == "qwen3moe":
         return tf.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=24, num_experts=8,
@@ -75,8 +86,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / (p.shape[1] ** 0.5 if "embed" not in name else 1.0))
 
 
-ARCHS = ["llama3", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3", "gemma3", "granite", "qwen3moe",
-         "mixtral", "olmoe"]
+ARCHS = ["llama3", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3", "gemma3", "granite", "phi3",
+         "smollm3", "qwen3moe", "mixtral", "olmoe"]
 
 
 @dataclass
@@ -97,10 +108,12 @@ def pair(request, tmp_path_factory) -> Pair:
     path = str(tmp_path_factory.mktemp(request.param))
     hf.save_pretrained(path)
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
-    assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite", "qwen3moe",
-                                        "mixtral", "olmoe")
+    assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite", "phi3", "smollm3",
+                                        "qwen3moe", "mixtral", "olmoe")
     assert (ours.config.num_experts > 0) == (request.param in ("qwen3moe", "mixtral", "olmoe"))
-    assert (ours.config.sliding_window == WINDOW) == (request.param in ("mistral_window", "gemma3"))
+    assert (ours.config.sliding_window == WINDOW) == (request.param in ("mistral_window", "gemma3", "phi3"))
+    assert (ours.config.rotary_dim, ours.config.nope_layers) == {"phi3": (12, []), "smollm3": (None, [1])}.get(
+        request.param, (None, []))
     return Pair(hf, ours, path)
 
 
