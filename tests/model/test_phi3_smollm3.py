@@ -121,7 +121,7 @@ def test_rotary_row_order_keeps_q_dot_k():
         q, k = torch.randn(5, 1, head_dim, generator=gen), torch.randn(5, 1, head_dim, generator=gen)
         pos_q, pos_k = torch.randint(0, 3000, (5,), generator=gen), torch.randint(0, 3000, (5,), generator=gen)
 
-        def hf_rope(x, pos):
+        def hf_rope(x, pos, rot=rot):
             freqs = pos[:, None].float() * rope_inv_freq(rot, 1e4, None)[None, :]
             emb = torch.cat((freqs, freqs), -1)[:, None, :]
             return torch.cat((apply_rope(x[..., :rot], emb.cos(), emb.sin()), x[..., rot:]), -1)
