@@ -76,7 +76,7 @@ def _bound_stack(model):
         cfg, attn = model.config, model.layers[0].attn
         stack = dispatch.kernel_class("DecoderStack")(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                       cfg.intermediate_size, cfg.rms_norm_eps, attn.scale,
-                                                      model.norm.weight, model.FUSED_STYLE)
+                                                      model.norm.weight, model.FUSED_STYLE, cfg.residual_multiplier)
         for layer in model.layers:
             stack.add_layer(*layer.fused_weights())
         model._decoder_stack = stack

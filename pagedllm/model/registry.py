@@ -21,9 +21,10 @@ PARTIAL_ROTARY, NOPE = "partial_rotary", "nope_layers"  # RoPE on part of each h
 
 # What decoder_layer.cpp computes: a pre-norm layer (Llama's or Gemma 3's) with these optional parts. A model runs
 # its layers fused only when its spec says its layer is one of those and its config uses nothing outside this set.
-# (Partial rotary and NoPE layers are in the rotary tables and the Q/K row order, which the stack takes as given.)
+# (Partial rotary and NoPE layers are in the rotary tables and the Q/K row order, which the stack takes as given;
+# of Granite's multipliers the stack takes the residual one and the attention scale, the model the other two.)
 FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW,
-                                  PARTIAL_ROTARY, NOPE})
+                                  PARTIAL_ROTARY, NOPE, MULTIPLIERS})
 
 
 @dataclass(frozen=True)

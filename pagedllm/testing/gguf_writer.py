@@ -34,7 +34,7 @@ RANDOM_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"
 
 @dataclass(frozen=True)
 class ModelShape:
-    arch: str  # GGUF architecture: llama | qwen2
+    arch: str  # GGUF architecture: llama | qwen2 | qwen3moe | phi3 | granite | smollm3
     layers: int
     hidden: int
     ffn: int
@@ -50,6 +50,18 @@ class ModelShape:
     experts_used: int = 0
     expert_ffn: int = 0  # one expert's width
     qk_norm: bool = False  # per-head q/k RMSNorm (Qwen3)
+    rotary_dim: int = 0  # the dims of each head RoPE rotates (Phi-4-mini: 96 of 128); 0: all
+    # Granite's (embedding, residual, attention, logit) multipliers
+    multipliers: tuple[float, float, float, float] | None = None
+
+    @property
+    def fused(self) -> bool:
+        """q|k|v in one attn_qkv and gate|up in one ffn_up (Phi-3's layout)."""
+        return self.arch == "phi3"
+
+    def as_llama(self) -> ModelShape:
+        """The same widths as a plain Llama (full rotary, no multipliers): the baseline a family is held to."""
+        return replace(self, arch="llama", rotary_dim=0, multipliers=None)
 
 
 _QWEN = {"tied": True, "rope_theta": 1e6, "eps": 1e-6, "vocab": 151936}
@@ -64,9 +76,20 @@ SHAPES = {
     # mixtures of experts (`--layers N` keeps the widths with fewer layers)
     "qwen3-30b-a3b": ModelShape("qwen3moe", 48, 2048, 6144, 32, 4, 128, vocab=151936, rope_theta=1e6, eps=1e-6,
                                 context=40960, experts=128, experts_used=8, expert_ffn=768, qk_norm=True),
+    # dense families with their own parts (each has a Llama twin of the same widths: ModelShape.as_llama)
+    "phi-4-mini": ModelShape("phi3", 32, 3072, 8192, 24, 8, 128, vocab=200064, tied=True, rope_theta=1e4,
+                             context=131072, rotary_dim=96),
+    "granite-3.3-2b": ModelShape("granite", 40, 2048, 8192, 32, 8, 64, vocab=49159, tied=True, rope_theta=1e7,
+                                 context=131072, multipliers=(12.0, 0.22, 0.015625, 8.0)),
+    "smollm3-3b": ModelShape("smollm3", 36, 2048, 11008, 16, 4, 128, vocab=128256, tied=True, rope_theta=5e6,
+                             eps=1e-6, context=65536),
     "mixtral-8x7b": ModelShape("llama", 32, 4096, 14336, 32, 8, 128, vocab=32000, rope_theta=1e6,
                                context=32768, experts=8, experts_used=2, expert_ffn=14336),
 }
+# each family's Llama twin of the same widths: the baseline its decode speed is held to
+SHAPES |= {f"{name}-as-llama": shape.as_llama() for name, shape in list(SHAPES.items())
+           if shape.arch in ("phi3", "granite", "smollm3")}
+LONGROPE_ORIGINAL = 4096  # a Phi-3 shape longer than this has LongRoPE factors switching here (Phi-4-mini's)
 # llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 MIXES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mixed file types and their default tensor type
@@ -87,6 +110,8 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
     down = name in ("ffn_down", "ffn_down_exps")
     if file_type in MIXES and (name == "output" or (tied and name == "token_embd")):
         t = "Q8_0" if cols % 256 else "Q6_K"
+    elif file_type in MIXES and name == "attn_qkv":  # a fused q|k|v: one step up from the mix's type
+        t = {"Q3_K_M": "Q4_K", "Q4_K_M": "Q5_K", "Q5_K_M": "Q6_K"}[file_type]
     elif file_type in MIXES and name == "attn_v" and experts == 8:
         t = "Q8_0"  # llama-quantize: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
     elif file_type in ("Q4_K_M", "Q5_K_M") and (name == "attn_v" or down) and use_more_bits(layer, num_layers):
@@ -206,8 +231,9 @@ def _plan(s: ModelShape, file_type: str) -> list[_Planned]:
     for i in range(s.layers):
         p = f"blk.{i}."
         plan.append(_Planned(p + "attn_norm.weight", (s.hidden,), "F32"))
-        for name, rows, cols in (("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden),
-                                 ("attn_output", s.hidden, q)):
+        attention = ((("attn_qkv", q + 2 * kv, s.hidden),) if s.fused else
+                     (("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden)))
+        for name, rows, cols in (*attention, ("attn_output", s.hidden, q)):
             plan.append(matrix(f"{p}{name}.weight", rows, cols, layer=i))
         if s.qk_norm:
             plan += [_Planned(f"{p}attn_{x}_norm.weight", (s.head_dim,), "F32") for x in "qk"]
@@ -219,18 +245,27 @@ def _plan(s: ModelShape, file_type: str) -> list[_Planned]:
             plan += [matrix(f"{p}ffn_gate_inp.weight", e, s.hidden), matrix(f"{p}ffn_gate_exps.weight", e, f, s.hidden,
                      layer=i), matrix(f"{p}ffn_up_exps.weight", e, f, s.hidden, layer=i),
                      matrix(f"{p}ffn_down_exps.weight", e, s.hidden, f, layer=i)]
+        elif s.fused:  # ffn_up is gate|up
+            plan += [matrix(f"{p}ffn_up.weight", 2 * s.ffn, s.hidden, layer=i),
+                     matrix(f"{p}ffn_down.weight", s.hidden, s.ffn, layer=i)]
         else:
             plan += [matrix(f"{p}ffn_gate.weight", s.ffn, s.hidden, layer=i),
                      matrix(f"{p}ffn_up.weight", s.ffn, s.hidden, layer=i),
                      matrix(f"{p}ffn_down.weight", s.hidden, s.ffn, layer=i)]
         plan.append(_Planned(p + "ffn_norm.weight", (s.hidden,), "F32"))
     plan.append(_Planned("output_norm.weight", (s.hidden,), "F32"))
+    if s.fused and s.context > LONGROPE_ORIGINAL:  # Phi-3's LongRoPE factors, one per rotated pair
+        pairs = (s.rotary_dim or s.head_dim) // 2
+        plan += [_Planned(f"rope_factors_{x}.weight", (pairs,), "F32") for x in ("short", "long")]
     if not s.tied:
         plan.append(matrix("output.weight", s.vocab, s.hidden))
     return plan
 
 
 def _random_data(rng: np.random.Generator, p: _Planned, std: float) -> np.ndarray:
+    if p.name.startswith("rope_factors_"):  # rising from 1 (short) or from 2 (long), as real factors do
+        base = 1.0 if "short" in p.name else 2.0
+        return (base + np.linspace(0.0, 1.0, p.shape[0])).astype(np.float32)
     if len(p.shape) == 1:
         base, spread = (1.0, 0.1) if p.name.endswith("norm.weight") else (0.0, std)
         return (base + spread * rng.standard_normal(p.shape[0])).astype(np.float32)
@@ -254,7 +289,8 @@ def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 
     rng = np.random.default_rng(seed)
     s = shape
     w = gguf.GGUFWriter(path, s.arch)
-    w.add_name(f"random-{s.arch}-{s.layers}x{s.hidden}")
+    # (not the architecture: llama.cpp gives a model named "phi3" Phi-3's special tokens, which this vocabulary lacks)
+    w.add_name(f"random-{s.layers}x{s.hidden}")
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -263,10 +299,18 @@ def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 
     w.add_head_count_kv(s.kv_heads)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_dimension_count(s.rotary_dim or s.head_dim)
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.eps)
     w.add_vocab_size(s.vocab)
+    if s.fused and s.context > LONGROPE_ORIGINAL:
+        w.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL)
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(s.context / LONGROPE_ORIGINAL)
+                                                      / np.log(LONGROPE_ORIGINAL))))
+    if s.multipliers:
+        for key, value in zip(("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),
+                              s.multipliers, strict=True):
+            w.add_float32(f"{s.arch}.{key}", value)
     if s.experts:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.experts_used)

@@ -104,12 +104,15 @@ void rope(T* x, const T* cos, const T* sin, int64_t d) {
   }
 }
 
-// x += b (n elements)
+// x += b (n elements); with a scale other than 1, x += T(b * scale) (Granite's residual multiplier, rounded as the
+// torch layers round it)
 template <typename T>
-void add_into(T* x, const T* b, int64_t n) {
+void add_into(T* x, const T* b, int64_t n, float scale = 1.f) {
+  const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
-    store(x + i, _mm512_add_ps(load(x + i, m), load(b + i, m)), m);
+    const __m512 bv = scale == 1.f ? load(b + i, m) : round_as(x, _mm512_mul_ps(load(b + i, m), s));
+    store(x + i, _mm512_add_ps(load(x + i, m), bv), m);
   }
 }
 
@@ -253,15 +256,16 @@ struct LayerWeights {
 
 struct DecoderStack : torch::CustomClassHolder {
   int64_t hidden, num_heads, num_kv_heads, head_dim, inter;
-  double eps, scale;
+  double eps, scale, residual_scale;  // residual_scale: each branch's output times it before its add (Granite)
   at::Tensor final_norm;  // the model's norm after the last layer
   Style style;
   std::vector<LayerWeights> layers;
 
   DecoderStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
-               double eps, double scale, at::Tensor final_norm, int64_t style)
+               double eps, double scale, at::Tensor final_norm, int64_t style, double residual_scale)
       : hidden(hidden), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), inter(inter),
-        eps(eps), scale(scale), final_norm(final_norm), style(static_cast<Style>(style)) {
+        eps(eps), scale(scale), residual_scale(residual_scale), final_norm(final_norm),
+        style(static_cast<Style>(style)) {
     TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && inter > 0 &&
                     num_heads % num_kv_heads == 0, "DecoderStack: bad shape");
     TORCH_CHECK(style == kLlama || style == kGemma, "DecoderStack: unknown layer style ", style);
@@ -327,7 +331,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
                    bool invariant) {
   const int64_t M = h.size(0), H = s.hidden, hkv = s.num_kv_heads, d = s.head_dim, num_heads = s.num_heads;
   const int64_t q_size = num_heads * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size, inter = s.inter;
-  const float epsf = static_cast<float>(s.eps);
+  const float epsf = static_cast<float>(s.eps), residual = static_cast<float>(s.residual_scale);
   const auto norm = [&](const T* x, const at::Tensor& weight, T* y, int64_t n) {
     rms_norm(s.style, x, data<T>(weight), y, n, epsf);
   };
@@ -356,7 +360,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
   linear<T>(buf.attn.view({M, q_size}), w.o, w.o_b, buf.proj, invariant);
   for_rows(M, [&](int64_t m) {  // h += (the norm of) o; then the MLP's norm of the new h
     if (w.attn_out_norm) norm(projp + m * H, *w.attn_out_norm, projp + m * H, H);
-    add_into(hp + m * H, projp + m * H, H);
+    add_into(hp + m * H, projp + m * H, H, residual);
     norm(hp + m * H, w.post_norm, xp + m * H, H);
   });
 
@@ -369,7 +373,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
   linear<T>(buf.act, w.down, std::nullopt, buf.proj, invariant);
   for_rows(M, [&](int64_t m) {
     if (w.mlp_out_norm) norm(projp + m * H, *w.mlp_out_norm, projp + m * H, H);
-    add_into(hp + m * H, projp + m * H, H);
+    add_into(hp + m * H, projp + m * H, H, residual);
   });
 }
 #endif
@@ -442,7 +446,7 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("__len__", &DecoderStack::size)
       .def("forward", &stack_forward);  // a method, not an op: an op taking the class checks every argument in Python
