@@ -149,7 +149,8 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend,
                        help="auto, reference (the pure-torch oracle) or a kernel name")
         g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION,
-                       help="auto: GGUF weights as stored where the CPU has VNNI (else dequantized where they fit); "
+                       help="auto: GGUF weights as stored where the CPU has VNNI or AVX2 (else dequantized where they "
+                            "fit); "
                             "gguf: as stored on every CPU; none: dequantize; int8: HF weights in int8 blocks")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "int8"],
                        help="auto: the KV cache in the compute dtype; int8: int8 K/V with a scale per token and "

@@ -28,6 +28,7 @@ from pagedllm.kernels.library import load_ops
 AVX512 = "avx512"            # the fp32 vector paths and the fused fp32 layer
 AVX512_BF16 = "avx512_bf16"  # the bf16 small GEMM, the fused bf16 layer, the bf16 attention paths
 VNNI = "vnni"                # int8 dot products: the quantized GEMMs' fast paths, int8-KV attention on integers
+INT8_GEMM = "int8_gemm"      # the packed quantized GEMM in vector code: VNNI, or AVX2's vpmaddubsw without it
 
 # Ops and classes that exist in every build but run only where the build has a capability (the others run
 # everywhere: each has a portable form).

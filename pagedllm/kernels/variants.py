@@ -26,7 +26,9 @@ VARIANTS: list[tuple[str, tuple[str, ...], list[str]]] = [
     ("avx512bf16", ("fma", *_AVX512_FLAGS, "avx512_bf16"), [*_AVX512_ISA, "-mavx512bf16"]),
     ("avx512vnni", ("fma", *_AVX512_FLAGS, "avx512_vnni"), [*_AVX512_ISA, "-mavx512vnni"]),  # quant GEMMs' vpdpbusd
     ("avx512", ("fma", *_AVX512_FLAGS), _AVX512_ISA),
-    ("avx2", ("avx2", "fma"), ["-mavx2", "-mfma"]),  # the portable code, auto-vectorised for AVX2
+    # the packed quantized GEMM's vpmaddubsw path (F16C: its fp16 scales; every AVX2 CPU has it), elsewhere the
+    # portable code auto-vectorised
+    ("avx2", ("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
     ("portable", (), []),  # no ISA flags at all
 ]
 VARIANT_NAMES = [v[0] for v in VARIANTS]

@@ -131,21 +131,21 @@ def _build(cfg: ModelConfig, dtype: torch.dtype, weights, table: dict, attention
 
 def _quantized_method(quantize_floats: bool, dense_bytes: int | None = None):
     """The quantized LinearMethod, or None (dense weights) where the kernel cannot be built here. `dense_bytes`
-    (a GGUF file under "auto"): what its weights take dequantized to bf16; where the build has no VNNI (the int8
-    products run on the portable code, far slower there than dense bf16: README, Quantized weights) and they fit
-    in half the memory available, the weights are dequantized instead."""
-    from pagedllm.kernels.dispatch import VNNI, has
+    (a GGUF file under "auto"): what its weights take dequantized to bf16; where the build has no vector int8
+    products (neither VNNI nor AVX2: the portable code, far slower there than dense bf16: README, Quantized weights)
+    and they fit in half the memory available, the weights are dequantized instead."""
+    from pagedllm.kernels.dispatch import INT8_GEMM, has
     from pagedllm.model.quantized_linear import QuantizedLinearMethod
     from pagedllm.quantization.tensor import kernel_available
 
     if not kernel_available():
         logger.warning("the quantized GEMM kernel is not available: weights are dequantized (quantization='none')")
         return None
-    if dense_bytes is not None and not has(VNNI):
+    if dense_bytes is not None and not has(INT8_GEMM):
         import psutil
 
         if dense_bytes < psutil.virtual_memory().available // 2:
-            logger.warning("this CPU's kernels have no VNNI int8 products: the weights are dequantized "
+            logger.warning("this CPU's kernels have no vector int8 products: the weights are dequantized "
                            "(%.1f GB in bf16), faster here than as stored", dense_bytes / 1e9)
             return None
     return QuantizedLinearMethod(quantize_floats)

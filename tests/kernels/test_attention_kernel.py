@@ -219,13 +219,13 @@ def test_bad_block_table_rejected():
 def test_build_variant_flags():
     name, isa = kernels.build_variant({"sse2", "sse4_2"})
     assert name == "portable" and isa == []
-    name, isa = kernels.build_variant({"sse2", "avx2", "fma"})
-    assert name == "avx2" and not any("avx512" in f for f in isa)
+    name, isa = kernels.build_variant({"sse2", "avx2", "fma", "f16c"})
+    assert name == "avx2" and not any("avx512" in f for f in isa) and "-mf16c" in isa
     name, isa = kernels.build_variant({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
     assert name == "avx512" and "-mavx512f" in isa and "-march=native" not in isa
     best = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}
     assert kernels.build_variant(best)[0] == "avx512bf16vnni"
-    assert kernels.build_variant(best, forced="avx2") == ("avx2", ["-mavx2", "-mfma"])  # $PAGEDLLM_KERNEL_VARIANT
+    assert kernels.build_variant(best, forced="avx2") == ("avx2", ["-mavx2", "-mfma", "-mf16c"])  # $PAGEDLLM_KERNEL_VARIANT
     assert kernels.build_variant(best, forced="portable") == ("portable", [])
     with pytest.raises(RuntimeError, match="lacks avx512f"):
         kernels.build_variant({"avx2", "fma"}, forced="avx512")

@@ -22,7 +22,7 @@ ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vn
 
 def test_install_builds_the_best_variant_and_the_two_the_tests_force():
     assert variants.install_variants(ZEN4, None) == ["avx512bf16vnni", "avx2", "portable"]
-    assert variants.install_variants({"avx2", "fma"}, None) == ["avx2", "portable"]
+    assert variants.install_variants({"avx2", "fma", "f16c"}, None) == ["avx2", "portable"]
     assert variants.install_variants(set(), None) == ["portable"]
     assert variants.install_variants(set(), "all") == variants.VARIANT_NAMES
     assert variants.install_variants(ZEN4, "avx512, portable") == ["avx512", "portable"]

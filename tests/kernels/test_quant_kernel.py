@@ -170,8 +170,9 @@ torch.save(out, sys.argv[2])
 
 
 def test_the_portable_build_computes_the_same_bits(tmp_path):
-    """The packed GEMM's portable path (the build for CPUs without VNNI, or without AVX-512) does the VNNI path's
-    arithmetic in the same order: the same weights and activations give the same bits from both builds. The other
+    """The packed GEMM's portable path (the build for CPUs without AVX2) does the vector paths' arithmetic (VNNI's
+    vpdpbusd, AVX2's vpmaddubsw) in the same order: the same weights and activations give the same bits from this
+    build and the portable one. The other
     build runs in a subprocess ($PAGEDLLM_KERNEL_VARIANT: one extension per process); it is cached, so the
     variant tests reuse it."""
     if build_variant(cpu_flags(), os.environ.get(VARIANT_ENV) or None)[0] == "portable":

@@ -14,6 +14,7 @@ c10::Dict<std::string, int64_t> capabilities() {
   caps.insert("avx512", PL_AVX512);            // fp32 vector paths, the fused fp32 layer
   caps.insert("avx512_bf16", PL_AVX512_BF16);  // the bf16 small GEMM, fused bf16 layer and bf16 attention paths
   caps.insert("vnni", PL_VNNI);                // int8 dot products: quantized GEMMs, int8-KV attention
+  caps.insert("int8_gemm", PL_VNNI || PL_INT8_AVX2);  // the packed quantized GEMM's products in vector code
   caps.insert("small_gemm_max_rows", PL_AVX512_BF16 ? pagedllm::kSmallGemmMaxRows : 0);
   // head dims (a mask of powers of two) whose attention has vector paths; with vnni, int8 KV there rounds q
   caps.insert("vector_head_dims", PL_AVX512 ? pagedllm::attn::kVectorHeadDims : 0);

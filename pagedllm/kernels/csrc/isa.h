@@ -18,3 +18,9 @@
 #else
 #define PL_VNNI 0
 #endif
+#if !PL_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PL_INT8_AVX2 1  // vpmaddubsw + vpmaddwd: the packed quantized GEMM's int8 dot products without VNNI
+#else
+#define PL_INT8_AVX2 0
+#endif

@@ -26,8 +26,8 @@
 //                                (kHasMin: t = fma(wo_0, float(sa_0), t); t = fma(wo_1, float(sa_1), t);)
 //                                acc = fma(t, da, acc)
 // (the zero is taken off in integers, exactly: one fma a block fewer than an offset in floats).
-// The VNNI and the portable path compute exactly this, per output, whatever M is: batch-invariant and equal (a test
-// holds the two builds to the same bits).
+// The VNNI, the AVX2 and the portable path compute exactly this, per output, whatever M is: batch-invariant and
+// equal (a test holds each build to the portable one's bits).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
@@ -514,6 +514,187 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
   __m512 acc[MR];
   group_tile<T, MR>(g, A, m0, acc, prefetch);
   store_tile<MR>(acc, out, out_f32, ldo, m0, n0);
+}
+#elif PL_INT8_AVX2
+// AVX2 without VNNI: the same arithmetic, a group as two halves of 8 rows (one __m256 lane per row), the int8 dot as
+// vpmaddubsw (u8 x s8, adjacent pairs summed to s16) then vpmaddwd (pairs of s16 to s32). The pair sums are exact
+// for operands below 129: every type but Q8_0 and IQ4_NL, whose operands (up to 255) are taken as the signed
+// operand - 128 against the activations with its signs (|w| <= 128): the same integer as operand x a - 128 x a,
+// which the other paths get by starting the chain at -128 x (codes' sum).
+
+constexpr int64_t kHalfRows = 8;
+
+// The 8 rows of half h of a field at p (a field holds 16 rows, 2 bytes each for fp16, else 1).
+inline __m256 field8(Field f, const uint8_t* p, int h) {
+  p += h * kHalfRows * (f == Field::kF16 ? 2 : 1);
+  const __m128i raw = f == Field::kF16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                       : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  switch (f) {
+    case Field::kF16: return _mm256_cvtph_ps(raw);
+    case Field::kU8: return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
+    case Field::kLo4:
+    case Field::kHi4: {
+      const __m256i bytes = _mm256_cvtepu8_epi32(raw);
+      return _mm256_cvtepi32_ps(f == Field::kLo4 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15))
+                                                 : _mm256_srli_epi32(bytes, 4));
+    }
+    default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  }
+}
+
+// 0xff in byte j where bit j of m is set.
+inline __m256i mask_bytes(uint32_t m) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(m)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// c[s] + `value` in the bytes of half h whose bit is set in mask s of the 8 at `at` (place_bit_plane's layout:
+// mask bit 4 row + b; half h holds rows 8h..8h+7, bits 32h..32h+31).
+inline void add_bit_plane(const uint8_t* at, int value, int h, __m256i* c) {
+  const __m256i v = _mm256_set1_epi8(static_cast<char>(value));
+  for (int s = 0; s < 8; ++s) {
+    uint64_t m;
+    std::memcpy(&m, at + 8 * s, 8);
+    c[s] = _mm256_add_epi8(c[s], _mm256_and_si256(mask_bytes(static_cast<uint32_t>(m >> (32 * h))), v));
+  }
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The 8 code vectors of half h of a 32-block (vector s lane i: row 8h + i's operands of elements 4s..4s+3).
+template <Codes C>
+inline void load_codes(const uint8_t* blk, int h, __m256i* c) {
+  const int64_t half = 32 * h;
+  if constexpr (C == Codes::k8) {
+    for (int s = 0; s < 8; ++s) c[s] = load32(blk + 64 * s + half);
+    return;
+  } else if constexpr (C == Codes::k2 || C == Codes::k3) {
+    const __m256i low2 = _mm256_set1_epi8(3);
+    for (int v = 0; v < 2; ++v) {  // bits 2t, 2t + 1 of each byte to bits 0, 1 of code vector 4v + t
+      const __m256i pairs = load32(blk + 64 * v + half);
+      c[4 * v] = _mm256_and_si256(pairs, low2);
+      for (int t = 1; t < 4; ++t) c[4 * v + t] = _mm256_and_si256(_mm256_srli_epi16(pairs, 2 * t), low2);
+    }
+    if constexpr (C == Codes::k3) add_bit_plane(blk + 128, 4, h, c);
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = load32(blk + 64 * j + half);
+      c[j] = _mm256_and_si256(v, low4), c[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    if constexpr (C == Codes::k5) {
+      add_bit_plane(blk + 256, 16, h, c);
+    } else if constexpr (C == Codes::k6) {
+      const __m256i bits45 = _mm256_set1_epi8(0x30);
+      for (int v = 0; v < 2; ++v) {
+        const __m256i top = load32(blk + 256 + 64 * v + half);
+        const __m256i at4[4] = {_mm256_slli_epi16(top, 4), _mm256_slli_epi16(top, 2), top,
+                                _mm256_srli_epi16(top, 2)};
+        for (int t = 0; t < 4; ++t) c[4 * v + t] = _mm256_or_si256(c[4 * v + t], _mm256_and_si256(at4[t], bits45));
+      }
+    } else if constexpr (C == Codes::kNL4) {
+      alignas(16) int8_t lut[16];
+      for (int i = 0; i < 16; ++i) lut[i] = static_cast<int8_t>(operand<C>(i));
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(lut)));
+      for (int s = 0; s < 8; ++s) c[s] = _mm256_shuffle_epi8(table, c[s]);
+    }
+  }
+}
+
+// Operands above 127 (Q8_0, IQ4_NL): the dot runs on operand - 128 with its signs moved onto the activations.
+template <Codes C>
+constexpr bool kSignedDot = C == Codes::k8 || C == Codes::kNL4;
+
+// The dots of one 32-block of half h against MR activation rows, folded into acc by the block's scales.
+template <class T, int MR>
+inline void block_dots(const __m256i* c, const __m256* ws, const __m256* wo, const Acts& A, int64_t m0, int64_t k,
+                       __m256* acc) {
+  constexpr bool kSigned = kSignedDot<T::kCodes>;
+  __m256i u[8], sign[8];  // the unsigned operands; (kSigned) the signs they were taken from
+  for (int s = 0; s < 8; ++s) {
+    if constexpr (kSigned) {
+      sign[s] = _mm256_xor_si256(c[s], _mm256_set1_epi8(static_cast<char>(0x80)));  // operand - 128, signed
+      u[s] = _mm256_abs_epi8(sign[s]);  // -128 becomes 128 as an unsigned byte
+    } else {
+      u[s] = c[s];
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+  for (int j = 0; j < MR; ++j) {
+    const int8_t* a = A.codes(m0 + j, k);
+    const int64_t b = A.block(m0 + j, k);
+    __m256i part[2];
+    for (int half = 0; half < 2; ++half) {  // elements 16 half .. 16 half + 15
+      __m256i chain = _mm256_setzero_si256();
+      for (int s = 4 * half; s < 4 * half + 4; ++s) {
+        int32_t four;
+        std::memcpy(&four, a + 4 * s, 4);
+        __m256i av = _mm256_set1_epi32(four);
+        if constexpr (kSigned) av = _mm256_sign_epi8(av, sign[s]);
+        chain = _mm256_add_epi32(chain, _mm256_madd_epi16(_mm256_maddubs_epi16(u[s], av), ones));
+      }
+      part[half] = chain;
+    }
+    if constexpr (T::kHalves == 1) {
+      __m256i isum = _mm256_add_epi32(part[0], part[1]);
+      if constexpr (!T::kHasMin && !kSigned) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-T::kZero * A.s32[b]));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws[0], _mm256_set1_ps(A.d[b])), acc[j]);
+      if constexpr (T::kHasMin) acc[j] = _mm256_fmadd_ps(wo[0], _mm256_set1_ps(A.ds[b]), acc[j]);
+    } else {
+      const __m256i p0 = _mm256_add_epi32(part[0], _mm256_set1_epi32(-T::kZero * A.s16[2 * b]));
+      const __m256i p1 = _mm256_add_epi32(part[1], _mm256_set1_epi32(-T::kZero * A.s16[2 * b + 1]));
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(p0), ws[0]);
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), ws[1], t);
+      if constexpr (T::kHasMin) {
+        t = _mm256_fmadd_ps(wo[0], _mm256_set1_ps(static_cast<float>(A.s16[2 * b])), t);
+        t = _mm256_fmadd_ps(wo[1], _mm256_set1_ps(static_cast<float>(A.s16[2 * b + 1])), t);
+      }
+      acc[j] = _mm256_fmadd_ps(t, _mm256_set1_ps(A.d[b]), acc[j]);
+    }
+  }
+}
+
+template <class T, int MR>
+void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0,
+          bool prefetch) {
+  using P = Packed<T>;
+  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7 of the group (the second half finds the group's lines cached)
+    __m256 acc[MR];
+#pragma GCC unroll 8
+    for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < A.K; k += T::kBlock) {
+      const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
+      for (int64_t l = 0; prefetch && h == 0 && l < P::kHeadBytes; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
+      __m256 head[T::kNumHead + 1];
+      for (int f = 0; f < T::kNumHead; ++f) head[f] = field8(T::kHead[f], p + P::head_offset(f), h);
+      for (int64_t b = 0; b < P::kBlocks; ++b) {
+        const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
+        for (int64_t l = 0; prefetch && h == 0 && l < P::kBlockBytes; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
+        __m256 f[P::kNumPer32 + 1], ws[T::kHalves], wo[T::kHalves];
+        for (int i = 0; i < P::kNumPer32; ++i) f[i] = field8(T::kPer32[i], blk + P::per32_offset(i), h);
+        T::template scales<__m256>(head, f, ws, wo);
+        __m256i c[8];
+        load_codes<T::kCodes>(blk, h, c);
+        block_dots<T, MR>(c, ws, wo, A, m0, k + 32 * b, acc);
+      }
+    }
+    for (int j = 0; j < MR; ++j) {
+      const int64_t at = (m0 + j) * ldo + n0 + kHalfRows * h;
+      if (out_f32) {
+        _mm256_storeu_ps(static_cast<float*>(out) + at, acc[j]);
+      } else {
+        alignas(32) float v[kHalfRows];
+        _mm256_store_ps(v, acc[j]);
+        for (int i = 0; i < kHalfRows; ++i) static_cast<uint16_t*>(out)[at + i] = f32_to_bf16(v[i]);
+      }
+    }
+  }
 }
 #else
 // The same arithmetic one output at a time.
