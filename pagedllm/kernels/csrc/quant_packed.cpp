@@ -613,6 +613,9 @@ template <class T, int MR>
 inline void block_dots(const __m256i* c, const __m256* ws, const __m256* wo, const Acts& A, int64_t m0, int64_t k,
                        __m256* acc) {
   constexpr bool kSigned = kSignedDot<T::kCodes>;
+  // vpmaddubsw results summed in 16 bits before widening, as many as stay below 2^15 with activations of |a| <= 127:
+  // each is at most 2 x 127 x the largest operand (128 signed, 63 for 6-bit codes, 31 for up to 5 bits)
+  constexpr int kSteps16 = kSigned ? 1 : T::kCodes == Codes::k6 ? 2 : 4;
   __m256i u[8], sign[8];  // the unsigned operands; (kSigned) the signs they were taken from
   for (int s = 0; s < 8; ++s) {
     if constexpr (kSigned) {
@@ -630,12 +633,16 @@ inline void block_dots(const __m256i* c, const __m256* ws, const __m256* wo, con
     __m256i part[2];
     for (int half = 0; half < 2; ++half) {  // elements 16 half .. 16 half + 15
       __m256i chain = _mm256_setzero_si256();
-      for (int s = 4 * half; s < 4 * half + 4; ++s) {
-        int32_t four;
-        std::memcpy(&four, a + 4 * s, 4);
-        __m256i av = _mm256_set1_epi32(four);
-        if constexpr (kSigned) av = _mm256_sign_epi8(av, sign[s]);
-        chain = _mm256_add_epi32(chain, _mm256_madd_epi16(_mm256_maddubs_epi16(u[s], av), ones));
+      for (int s0 = 4 * half; s0 < 4 * half + 4; s0 += kSteps16) {
+        __m256i sum16 = _mm256_setzero_si256();
+        for (int s = s0; s < s0 + kSteps16; ++s) {
+          int32_t four;
+          std::memcpy(&four, a + 4 * s, 4);
+          __m256i av = _mm256_set1_epi32(four);
+          if constexpr (kSigned) av = _mm256_sign_epi8(av, sign[s]);
+          sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(u[s], av));
+        }
+        chain = _mm256_add_epi32(chain, _mm256_madd_epi16(sum16, ones));
       }
       part[half] = chain;
     }
