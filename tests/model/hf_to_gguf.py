@@ -106,6 +106,18 @@ def _checkpoint(hf: torch.nn.Module, directory: str) -> dict[str, np.ndarray]:
 
 
 
+def random_hf_model(cfg) -> torch.nn.Module:
+    """A transformers model of `cfg` with O(1) activations (seed 0): norms near 1, matrices scaled by their width."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if p.dim() == 1 else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return model
+
+
 def paged_logits(loaded, tokens: list[int], steps: list[int] | None = None) -> torch.Tensor:
     """A loaded model's logits for one prompt, computed over scattered 16-token blocks in one paged step, or in
     steps of these many tokens (a prefill, then one-token decode steps: [n, 1, 1, ...])."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_to_gguf import llama_cpp_convert, paged_logits, write_hf_as_gguf
+from hf_to_gguf import llama_cpp_convert, paged_logits, random_hf_model, write_hf_as_gguf
 
 from pagedllm.model import load_model
 
@@ -20,12 +20,7 @@ def _granite(vocab: int = 128) -> torch.nn.Module:
                            num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-5,
                            tie_word_embeddings=False, embedding_multiplier=3.0, residual_multiplier=0.5,
                            attention_multiplier=0.2, logits_scaling=2.5)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if p.dim() == 1 else torch.randn(p.shape) / p.shape[-1] ** 0.5)
-    return model
+    return random_hf_model(cfg)
 
 
 def _check(path: str, hf: torch.nn.Module, vocab: int) -> None:

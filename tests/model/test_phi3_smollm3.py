@@ -12,23 +12,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from hf_to_gguf import llama_cpp_convert, paged_logits
+from hf_to_gguf import llama_cpp_convert, paged_logits, random_hf_model
 
 from pagedllm.model import load_model
 from pagedllm.model.errors import InvalidModelError, UnsupportedModelError
 
 SWITCH = 32  # LongRoPE's original context in these tests: sequences longer than this take the long factors
-
-
-def _randomized(cfg) -> torch.nn.Module:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape) if p.dim() == 1 else torch.randn(p.shape) / p.shape[-1] ** 0.5)
-    return model
 
 
 def _phi3(vocab: int = 128, **overrides) -> torch.nn.Module:
@@ -44,7 +33,7 @@ def _phi3(vocab: int = 128, **overrides) -> torch.nn.Module:
                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512,
                         original_max_position_embeddings=SWITCH, rms_norm_eps=1e-5, tie_word_embeddings=False,
                         rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)
-    return _randomized(cfg)
+    return random_hf_model(cfg)
 
 
 def _smollm3(vocab: int = 128) -> torch.nn.Module:
@@ -54,7 +43,7 @@ def _smollm3(vocab: int = 128) -> torch.nn.Module:
     cfg = tf.SmolLM3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512, rms_norm_eps=1e-5,
                            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return _randomized(cfg)
+    return random_hf_model(cfg)
 
 
 def _hf_steps(hf: torch.nn.Module, tokens: list[int], steps: list[int]) -> torch.Tensor:
