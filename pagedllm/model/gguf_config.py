@@ -260,10 +260,13 @@ def _rope_scaling(f: GGUFFile, arch: str, rotary: int) -> dict[str, Any] | None:
         key = f"{arch}.rope.scaling.original_context_length"
         if key not in m:
             raise f.field_error(key, "missing (the context length where LongRoPE switches to the long factors)")
-        return {"rope_type": "longrope", "original_max_position_embeddings": m[key],
+        attn_key = f"{arch}.rope.scaling.attn_factor"
+        return {"rope_type": "longrope",
+                "original_max_position_embeddings": checked_int(m[key], "max_position_embeddings", key, f.field_error),
                 "short_factor": _rope_factors(f, "rope_factors_short.weight", rotary),
                 "long_factor": _rope_factors(f, "rope_factors_long.weight", rotary),
-                "attention_factor": m.get(f"{arch}.rope.scaling.attn_factor", 1.0)}
+                "attention_factor": checked_float(m.get(attn_key, 1.0), "rope_scaling.factor", attn_key,
+                                                  f.field_error)}
     if kind == "linear":
         key = f"{arch}.rope.scaling.factor"
         return {"rope_type": "linear", "factor": checked_float(m.get(key), "rope_scaling.factor", key,
