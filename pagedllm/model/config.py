@@ -240,7 +240,8 @@ def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
         original = checked_int(original, "max_position_embeddings", "original_max_position_embeddings",
                                lambda name, detail: InvalidModelError(detail, field=name))
         factor = float(out.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original)
-        out["attention_factor"] = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+        out["attention_factor"] = (math.sqrt(1 + math.log(factor) / math.log(original))
+                                   if factor > 1.0 and original > 1 else 1.0)
     return out
 
 
