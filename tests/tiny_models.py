@@ -36,6 +36,11 @@ ARCHS = {
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),  # every layer slides
+    # windowed and full layers alternating (window 16), sinks, 4 experts of which 2 per token, YaRN
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 16, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 256}}),
 }
 
 

@@ -1,7 +1,8 @@
 """Paged attention backends behind one interface, chosen by name.
 
-Every backend has forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], k_cache, v_cache, meta, scale, window=None)
--> [T,Hq,D] (window: each query sees its `window` most recent keys, itself included)
+Every backend has forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], k_cache, v_cache, meta, scale, window=None,
+sinks=None) -> [T,Hq,D] (window: each query sees its `window` most recent keys, itself included; sinks [Hq]: a
+logit per query head that joins the softmax's denominator and adds no value, gpt-oss's attention sinks)
 and copy_blocks(kv_caches, pairs). "reference" is the pure-torch oracle; faster backends register themselves
 with a priority and "auto" picks the highest-priority one that is available.
 """
@@ -29,7 +30,7 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor: ...
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     pairs: list[tuple[int, int]]) -> None: ...

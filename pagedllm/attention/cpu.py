@@ -34,12 +34,12 @@ class CpuAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         (write_kv_int8 if is_int8(k_cache) else write_kv)(k, v, k_cache, v_cache, meta.slot_mapping)
         mode = current_mode()
         if self.portable:
             mode = dataclasses.replace(mode, portable=True)
-        return paged_attention(q, k_cache, v_cache, meta, scale, mode=mode, window=window)
+        return paged_attention(q, k_cache, v_cache, meta, scale, mode=mode, window=window, sinks=sinks)
 
 
 register_backend("cpu", CpuAttentionBackend, priority=20)

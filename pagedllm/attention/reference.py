@@ -49,6 +49,24 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[
         v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, N, D] over k, v [B, Hkv, L, D] (GQA), mask [.., N, L] True where a key is seen
+    (None: causal, N == L). With sinks [Hq], each head's sink logit joins the softmax's denominator as a key
+    whose value is zero (gpt-oss), written out in full since SDPA has no such term."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return probs @ v
+
+
 class ReferenceBackend:
     """Per-request SDPA over gathered context; all single-token (decode) requests share one padded call.
     Attention math runs in float32 whatever the KV dtype (torch's bf16 SDPA on CPU is both slower and less
@@ -60,8 +78,9 @@ class ReferenceBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        """window: each query sees only the `window` most recent keys up to itself (itself included)."""
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """window: each query sees only the `window` most recent keys up to itself (itself included); sinks [Hq]:
+        see sdpa."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
         qf = q.float()
@@ -71,7 +90,8 @@ class ReferenceBackend:
         done: set[int] = set()
         if len(decode) > 1:
             for i in range(0, len(decode), self.decode_group):
-                self._decode_batch(qf, k_cache, v_cache, meta, scale, decode[i:i + self.decode_group], out, window)
+                self._decode_batch(qf, k_cache, v_cache, meta, scale, decode[i:i + self.decode_group], out, window,
+                                   sinks)
             done = set(decode)
         starts = meta.query_start_loc.tolist()
         for r, n in enumerate(qlens):
@@ -79,12 +99,13 @@ class ReferenceBackend:
                 continue
             s = starts[r]
             out[s:s + n] = self._attend_one(qf[s:s + n], k_cache, v_cache, meta.block_tables[r],
-                                            meta.seq_lens_list[r], scale, window)
+                                            meta.seq_lens_list[r], scale, window, sinks)
         return out.to(q.dtype)
 
     @staticmethod
     def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_len: int, scale: float, window: int | None) -> torch.Tensor:
+                    seq_len: int, scale: float, window: int | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
         n = q.shape[0]
         # keys before the first query's window are never read (their blocks may have been freed): start at the
         # block holding the first key any query sees
@@ -92,20 +113,19 @@ class ReferenceBackend:
         k = as_float(gather_context(k_cache, block_table, seq_len, first), q.dtype)
         v = as_float(gather_context(v_cache, block_table, seq_len, first), q.dtype)
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        if n == seq_len and window is None:  # nothing cached: plain causal
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # query i sits at position seq_len - n + i and sees the keys up to it (within its window)
-            qpos = torch.arange(seq_len - n, seq_len)[:, None]
+        mask = None  # nothing cached: plain causal
+        if n != seq_len or window is not None:  # query i sits at position seq_len - n + i and sees the keys up to it
+            qpos = torch.arange(seq_len - n, seq_len)[:, None]  # (within its window)
             kpos = torch.arange(first, seq_len)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+        return sdpa(qh, kh, vh, mask, scale, sinks)[0].transpose(0, 1)
 
     @staticmethod
     def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, reqs: list[int], out: torch.Tensor, window: int | None) -> None:
+                      scale: float, reqs: list[int], out: torch.Tensor, window: int | None,
+                      sinks: torch.Tensor | None) -> None:
         idx = torch.tensor(reqs, dtype=torch.long)
         rows = meta.query_start_loc[idx].long()
         seq_lens = meta.seq_lens[idx].long()
@@ -125,6 +145,4 @@ class ReferenceBackend:
         k, v = k.where(valid, 0.0), v.where(valid, 0.0)
         mask = mask[:, None, None, :]
         qh = q[rows][:, :, None, :]  # [R, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
-        out[rows] = o[:, :, 0, :]
+        out[rows] = sdpa(qh, k.transpose(1, 2), v.transpose(1, 2), mask, scale, sinks)[:, :, 0, :]

@@ -21,10 +21,12 @@ class PagedContext(Protocol):
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedContext,
                     scale: float, *, mode: KernelMode | None = None, min_items: int = 0,
-                    out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T,Hq,D] over the paged context described by meta (K/V already written). -> [T,Hq,D].
     mode: batch invariance and the portable path (None: the forward's, dispatch.current_mode()).
-    window: each query sees only its `window` most recent keys, itself included (None: all of them)."""
+    window: each query sees only its `window` most recent keys, itself included (None: all of them).
+    sinks [Hq]: a logit per query head in the softmax's denominator that adds no value (gpt-oss)."""
     mode = current_mode() if mode is None else mode
     ops = load_ops()
     if q.stride(-1) != 1:
@@ -33,7 +35,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty(q.shape, dtype=q.dtype)
     ops.paged_attention(out, q, k_cache, v_cache, _int32(meta.block_tables), _int32(meta.seq_lens),
                         _int32(meta.query_start_loc), float(scale), mode.portable, mode.invariant,
-                        int(min_items), int(window or 0))
+                        int(min_items), int(window or 0), None if sinks is None else sinks.float().contiguous())
     return out
 
 

@@ -18,7 +18,7 @@ from pagedllm.quantization.tensor import QuantTensor
 
 class Attention(nn.Module):
     """q|k|v projection, optional per-head q/k norm, RoPE, paged attention (over a sliding window where the layer
-    has one), output projection."""
+    has one; with a sink logit per head where the model has them), output projection."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: LinearMethod | None = None, *,
                  window: int | None = None, norm: type[nn.Module] = RMSNorm):
@@ -33,6 +33,7 @@ class Attention(nn.Module):
             self.k_norm = norm(cfg.kv_size if whole else cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.scale = cfg.attn_scale
         self.window = window
+        self.sinks = frozen_param(cfg.num_heads, dtype=torch.float32) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -46,7 +47,8 @@ class Attention(nn.Module):
         if c.qk_norm and not c.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window,
+                              sinks=self.sinks)
         return self.o(out.reshape(-1, c.q_size))
 
 

@@ -13,7 +13,7 @@ from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.registry import UnsupportedModelError
 
 # freq_factors: GGUF rope_freqs; longrope: Phi-3's short and long factors, chosen by the sequence's length
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "freq_factors", "longrope", "yarn")
 
 
 @dataclass
@@ -56,6 +56,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's width
     norm_topk_prob: bool = False  # the k chosen weights renormalised to sum to 1
     dense_layers: list[int] = field(default_factory=list)  # layers of an MoE model whose MLP is dense
+    moe_bias: bool = False  # biases on the router and the experts' projections (gpt-oss)
+    swiglu_limit: float | None = None  # the experts' SwiGLU clamped at this limit, its sigmoid sharpened by
+    swiglu_alpha: float = 1.0  # this (gpt-oss); None: plain SwiGLU
+    attention_sinks: bool = False  # a learned sink logit per query head in every layer's softmax (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -72,6 +76,8 @@ class ModelConfig:
             raise UnsupportedModelError("a per-head q/k norm with partial rotary is not supported")
         if rope_type == "longrope":
             check_longrope(self.rope_scaling, self.rotates)
+        if rope_type == "yarn":
+            check_yarn(self.rope_scaling)
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -110,6 +116,8 @@ class ModelConfig:
                                              < self.max_position_embeddings for i in range(self.num_layers)),
                 registry.MOE: self.num_experts > 0, registry.QK_NORM_WHOLE: self.qk_norm_whole,
                 registry.PARTIAL_ROTARY: self.rotates < self.head_dim, registry.NOPE: bool(self.nope_layers),
+                registry.ATTENTION_SINKS: self.attention_sinks, registry.MOE_BIAS: self.moe_bias,
+                registry.CLAMPED_SWIGLU: self.swiglu_limit is not None,
                 registry.MULTIPLIERS: (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling,
                                        self.attention_multiplier) != (1.0, 1.0, 1.0, None)}
         return {name for name, on in used.items() if on}
@@ -143,6 +151,38 @@ def check_longrope(scaling: dict[str, Any], rotates: int) -> None:
     checked_int(scaling["original_max_position_embeddings"], "max_position_embeddings",
                 "original_max_position_embeddings", fail)
     checked_float(scaling.get("attention_factor", 1.0), "rope_scaling.factor", "attention_factor", fail)
+
+
+def check_yarn(scaling: dict[str, Any]) -> None:
+    """YaRN's parameters present and sane (InvalidModelError naming the field)."""
+    def fail(key: str, detail: str) -> InvalidModelError:
+        return InvalidModelError(detail, field=f"rope_scaling.{key}")
+
+    for key in ("factor", "original_max_position_embeddings"):
+        if scaling.get(key) is None:
+            raise fail(key, "missing (YaRN needs its factor and the original context)")
+    checked_int(scaling["original_max_position_embeddings"], "max_position_embeddings",
+                "original_max_position_embeddings", fail)
+    for key in ("factor", "attention_factor", "beta_fast", "beta_slow"):
+        if scaling.get(key) is not None:
+            checked_float(scaling[key], "rope_scaling.factor", key, fail)
+
+
+def yarn_scaling(scaling: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """YaRN as transformers reads it: the factor (where not given, max over original context) and the cos/sin
+    scale (where not given, 0.1 ln(factor) + 1, or DeepSeek's ratio of two such terms with mscale and
+    mscale_all_dim)."""
+    out = dict(scaling)
+    original = out.get("original_max_position_embeddings")
+    if out.get("factor") is None and original:
+        out["factor"] = max_positions / float(original)
+    if out.get("attention_factor") is None and isinstance(out.get("factor"), int | float):
+        def mscale(factor: float, m: float = 1.0) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        factor, m, m_all = float(out["factor"]), out.get("mscale"), out.get("mscale_all_dim")
+        out["attention_factor"] = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return out
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
@@ -179,6 +219,9 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     scaling = _rope_scaling(rope)
     if scaling and scaling["rope_type"] == "longrope":
         scaling = _longrope(scaling, cfg)
+    if scaling and scaling["rope_type"] == "yarn":
+        scaling = yarn_scaling({"original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
+                                **scaling}, int(cfg.get("max_position_embeddings", 2048)))
     if _rope_scaling(local_rope):
         raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
     if cfg.get("mlp_bias"):
@@ -224,6 +267,7 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
         qk_norm_whole=spec.qk_norm_whole,
+        attention_sinks=spec.attention_sinks,
         **_hf_experts(cfg, spec, num_layers),
         **_hf_multipliers(cfg, spec),
     )
@@ -289,7 +333,20 @@ def _hf_experts(cfg: dict[str, Any], spec: registry.ArchSpec, num_layers: int) -
     return dict(num_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                 norm_topk_prob=renormalize,
-                dense_layers=[i for i in range(num_layers) if i in mlp_only or (i + 1) % step])
+                dense_layers=[i for i in range(num_layers) if i in mlp_only or (i + 1) % step],
+                **arch_moe_options(spec, cfg.get("swiglu_limit"), cfg.get("swiglu_alpha")))
+
+
+def arch_moe_options(spec: registry.ArchSpec, limit: Any = None, alpha: Any = None) -> dict[str, Any]:
+    """The MoE options an architecture fixes (gpt-oss: expert biases, a clamped SwiGLU whose limit and alpha a
+    config may give)."""
+    if spec.swiglu_clamp is None:
+        return {"moe_bias": spec.moe_bias}
+    def fail(name: str, detail: str) -> InvalidModelError:
+        return InvalidModelError(detail, field=name)
+    limit = checked_float(spec.swiglu_clamp[0] if limit is None else limit, "swiglu", "swiglu_limit", fail)
+    alpha = checked_float(spec.swiglu_clamp[1] if alpha is None else alpha, "swiglu", "swiglu_alpha", fail)
+    return {"moe_bias": spec.moe_bias, "swiglu_limit": limit, "swiglu_alpha": alpha}
 
 
 # config.json key -> config_checks field, for the numbers that size the model

@@ -40,6 +40,7 @@ FLOAT_LIMITS: dict[str, float] = {
     "residual_multiplier": 1e6,
     "logits_scaling": 1e6,
     "attention_multiplier": 1e6,
+    "swiglu": 1e6,
 }
 
 Fail = Callable[[str, str], InvalidModelError]  # (field as the file names it, detail) -> the error to raise

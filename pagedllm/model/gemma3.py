@@ -19,7 +19,7 @@ from pagedllm.model.fused_layer import fuses_layers, init_fused_layers, run_fuse
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RotaryEmbedding, frozen_param
 from pagedllm.model.linear import Linear, LinearMethod
-from pagedllm.model.mlp import GatedMLP, gelu_tanh
+from pagedllm.model.mlp import GatedMLP, geglu_tanh
 
 
 class GemmaRMSNorm(nn.Module):
@@ -46,7 +46,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.attn = Attention(cfg, dtype, method, window=window, norm=GemmaRMSNorm)
         self.post_attn_norm = GemmaRMSNorm(h, eps, dtype)
         self.pre_mlp_norm = GemmaRMSNorm(h, eps, dtype)
-        self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, method, act=gelu_tanh)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, dtype, method, glu=geglu_tanh)
         self.post_mlp_norm = GemmaRMSNorm(h, eps, dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,

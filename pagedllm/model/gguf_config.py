@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm.model import registry, weight_names
-from pagedllm.model.config import ModelConfig, nope_every, pattern_layer_types
+from pagedllm.model.config import ModelConfig, arch_moe_options, nope_every, pattern_layer_types, yarn_scaling
 from pagedllm.model.config_checks import check_head_layout, check_token_id, checked_float, checked_int
 from pagedllm.model.errors import UnsupportedModelError
 from pagedllm.model.gguf_reader import GGUFFile, StringArray
@@ -101,6 +101,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         nope_layers=nope_every(spec.nope_interval, num_layers) if spec.nope_interval else [],
         tie_word_embeddings="output.weight" not in f.tensors,
         qkv_bias="blk.0.attn_q.bias" in f.tensors,
+        o_bias="blk.0.attn_output.bias" in f.tensors,
+        attention_sinks=spec.attention_sinks,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         sliding_window=window,
         layer_types=pattern_layer_types(num_layers, pattern) if window and pattern else None,
@@ -218,7 +220,8 @@ def _experts(f: GGUFFile, spec: registry.ArchSpec, num_layers: int, ffn: int, nu
     return dict(num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=num("expert_feed_forward_length", "moe_intermediate_size", ffn),
                 norm_topk_prob=bool(renormalize),
-                dense_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors])
+                dense_layers=[i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors],
+                **arch_moe_options(spec))
 
 
 def _tensor_shapes(*, vocab: int, hidden: int, q: int, kv: int, ffn: int, fused_gate_up: bool,
@@ -271,10 +274,35 @@ def _rope_scaling(f: GGUFFile, arch: str, rotary: int) -> dict[str, Any] | None:
         key = f"{arch}.rope.scaling.factor"
         return {"rope_type": "linear", "factor": checked_float(m.get(key), "rope_scaling.factor", key,
                                                                f.field_error)}
+    if kind == "yarn":
+        return _yarn(f, arch)
     if kind not in (None, "none"):
         raise UnsupportedModelError(f"rope scaling {kind!r} is not supported", path=f.path,
                                     field=f"{arch}.rope.scaling.type")
     return None
+
+
+def _yarn(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """YaRN as llama.cpp runs a file: ramp ends rounded to whole dims, cos/sin scaled by 0.1 ln(factor) + 1 (or
+    the ratio that yarn_log_multiplier gives) times the file's attn_factor."""
+    m, prefix = f.metadata, f"{arch}.rope.scaling."
+
+    def number(key: str, default: Any = _MISSING) -> float:
+        value = m.get(prefix + key, default)
+        if value is _MISSING:
+            raise f.field_error(prefix + key, "missing (YaRN needs it)")
+        return checked_float(value, "rope_scaling.factor", prefix + key, f.field_error)
+
+    original = checked_int(m.get(prefix + "original_context_length"), "max_position_embeddings",
+                           prefix + "original_context_length", f.field_error)
+    scaling = {"rope_type": "yarn", "factor": number("factor"), "original_max_position_embeddings": original,
+               "beta_fast": number("yarn_beta_fast", 32.0), "beta_slow": number("yarn_beta_slow", 1.0)}
+    log_mul = m.get(prefix + "yarn_log_multiplier")
+    if log_mul:
+        scaling |= {"mscale": 1.0, "mscale_all_dim": number("yarn_log_multiplier")}
+    scaling = yarn_scaling(scaling, original)
+    scaling["attention_factor"] *= number("attn_factor", 1.0)
+    return scaling
 
 
 def _rope_factors(f: GGUFFile, name: str, rotary: int) -> list[float]:

@@ -50,13 +50,15 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies of `dim` rotated dims, including llama3, linear and LongRoPE scaling (long: LongRoPE's
-    long factors, else its short ones); the same formulas as transformers."""
+    """Inverse frequencies of `dim` rotated dims, including llama3, linear, YaRN and LongRoPE scaling (long:
+    LongRoPE's long factors, else its short ones); the same formulas as transformers."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta ** exponents)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling, exponents)
     inv_freq = 1.0 / (theta ** exponents)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
@@ -76,6 +78,25 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long: 
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any], exponents: torch.Tensor) -> torch.Tensor:
+    """YaRN: the high frequencies (more than beta_fast rotations over the original context) kept, the low ones
+    (fewer than beta_slow) interpolated by the factor, a linear ramp between; `truncate` rounds the ramp's ends
+    to whole dims (transformers' default and llama.cpp's; gpt-oss turns it off)."""
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp  # the share of each frequency kept as it is
+    pos_freqs = theta ** exponents
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
 def rotary_row_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """The order in which to store each head's q/k rows so that partial rotary becomes full rotate-half: HF rotates
     pairs (i, i + r/2) of the first r dims and passes the rest; stored as [rot[:r/2], pass[:half], rot[r/2:],
@@ -91,8 +112,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, rotary_dim: int | None = None):
         """rotary_dim < head_dim: the q/k rows are in rotary_row_order, the other dims rotate by angle 0.
-        LongRoPE: a second table of the long factors, used for the tokens of sequences longer than `switch`, and
-        cos/sin (of the rotated dims) scaled by its attention factor."""
+        LongRoPE: a second table of the long factors, used for the tokens of sequences longer than `switch`.
+        LongRoPE and YaRN: cos/sin (of the rotated dims) scaled by the attention factor."""
         super().__init__()
         rot = rotary_dim or head_dim
         longrope = (scaling or {}).get("rope_type") == "longrope"
@@ -104,7 +125,7 @@ class RotaryEmbedding(nn.Module):
         self.long_inv_freq = padded(rope_inv_freq(rot, theta, scaling, long=True)) if longrope else None
         self.switch = int(scaling["original_max_position_embeddings"]) if longrope else None
         rotated = (torch.arange(head_dim) % (head_dim // 2)) < rot // 2
-        factor = float(scaling.get("attention_factor", 1.0)) if longrope else 1.0
+        factor = float((scaling or {}).get("attention_factor", 1.0))  # (LongRoPE, YaRN)
         self._scale = torch.where(rotated, factor, 1.0) if factor != 1.0 else None
         self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # long -> float32 cos, sin of positions 0..
 

@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Phi-3; with a
-mixture-of-experts MLP: Qwen3-MoE, Mixtral, OLMoE) over the paged KV cache.
+mixture-of-experts MLP: Qwen3-MoE, Mixtral, OLMoE, gpt-oss) over the paged KV cache.
 
 It sees one flat batch of new tokens (no padding, no request objects); attention reads and writes the
 per-layer KV pools through the AttentionMetadata.
@@ -18,7 +18,7 @@ from pagedllm.model.fused_layer import fuses_layers, init_fused_layers, run_fuse
 from pagedllm.model.kv_cache import KVCache
 from pagedllm.model.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model.linear import Linear, LinearMethod
-from pagedllm.model.mlp import GatedMLP
+from pagedllm.model.mlp import GatedMLP, clamped_swiglu, swiglu
 from pagedllm.model.moe import SparseMoE
 
 
@@ -30,8 +30,9 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, dtype, method, window=window)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.residual_multiplier = cfg.residual_multiplier
+        glu = swiglu if cfg.swiglu_limit is None else clamped_swiglu(cfg.swiglu_limit, cfg.swiglu_alpha)
         self.mlp = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                              cfg.norm_topk_prob, dtype, method) if moe
+                              cfg.norm_topk_prob, dtype, method, glu, cfg.moe_bias) if moe
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, method))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,

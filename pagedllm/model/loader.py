@@ -157,10 +157,11 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
 
     cfg, _ = hf_loader.read_hf_config(path)
     tdtype = resolve_dtype(dtype, quantized=quantization == "int8")
-    table = registry.spec(cfg.architecture).hf_names
+    spec = registry.spec(cfg.architecture)
     method = _quantized_method(quantize_floats=True) if quantization == "int8" else None
     tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None  # first: see _load_gguf
-    model = _build(cfg, tdtype, hf_loader.iter_hf_weights(path), table, attention_backend, method, path)
+    weights = spec.adapt_hf_weights(hf_loader.iter_hf_weights(path))
+    model = _build(cfg, tdtype, weights, spec.hf_names, attention_backend, method, path)
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)
 

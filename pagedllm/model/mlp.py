@@ -1,4 +1,4 @@
-"""The gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one [2I, H] Linear."""
+"""The gated MLP: down(glu(gate(x), up(x))), gate and up fused into one [2I, H] Linear."""
 
 from __future__ import annotations
 
@@ -10,22 +10,37 @@ from torch import nn
 
 from pagedllm.model.linear import Linear, LinearMethod
 
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> the down projection's input
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def geglu_tanh(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Glu:
+    """gpt-oss's SwiGLU: the gate clamped above at `limit`, up to [-limit, limit], the gate's sigmoid sharpened by
+    `alpha`, and 1 added to up."""
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+    return glu
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with act=F.silu (Llama family), GeGLU with act=gelu_tanh (Gemma)."""
+    """SwiGLU (Llama family), GeGLU with gelu tanh (Gemma), clamped SwiGLU with biases (gpt-oss's experts)."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, method: LinearMethod | None = None,
-                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
+                 glu: Glu = swiglu, bias: bool = False):
         super().__init__()
         self.intermediate = intermediate
-        self.act = act
-        self.gate_up = Linear(hidden, [intermediate, intermediate], False, dtype, method)
-        self.down = Linear(intermediate, hidden, False, dtype, method)
+        self.glu = glu
+        self.gate_up = Linear(hidden, [intermediate, intermediate], bias, dtype, method)
+        self.down = Linear(intermediate, hidden, bias, dtype, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
-        return self.down(self.act(gu[:, :self.intermediate]) * gu[:, self.intermediate:])
+        return self.down(self.glu(gu[:, :self.intermediate], gu[:, self.intermediate:]))

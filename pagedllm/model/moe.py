@@ -1,6 +1,6 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks k experts per token, each a gated MLP
-kept in the checkpoint's form (dense, or GGUF blocks as stored), and the token's output is the weighted sum of
-its experts' outputs.
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): a router picks k experts per token, each a
+gated MLP kept in the checkpoint's form (dense, or GGUF blocks as stored), and the token's output is the weighted
+sum of its experts' outputs. gpt-oss adds biases to the router and the experts and clamps its SwiGLU.
 
 The rows of a step are grouped by expert (a stable counting sort of the (token, slot) pairs), so each chosen
 expert multiplies its weights once for all of its tokens and an expert nobody chose costs nothing. Every token's
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.linear import Linear, LinearMethod
-from pagedllm.model.mlp import GatedMLP
+from pagedllm.model.mlp import GatedMLP, Glu, swiglu
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,14 +43,15 @@ def group_by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[int, 
 
 
 class SparseMoE(nn.Module):
-    """router: Linear(H, E); experts: E gated MLPs of width `intermediate`."""
+    """router: Linear(H, E); experts: E gated MLPs of width `intermediate` (bias: on the router and the experts)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-                 dtype: torch.dtype, method: LinearMethod | None = None):
+                 dtype: torch.dtype, method: LinearMethod | None = None, glu: Glu = swiglu, bias: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.router = Linear(hidden, num_experts, False, dtype, method)
-        self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, dtype, method) for _ in range(num_experts))
+        self.router = Linear(hidden, num_experts, bias, dtype, method)
+        self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, dtype, method, glu, bias)
+                                     for _ in range(num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.top_k, self.renormalize)

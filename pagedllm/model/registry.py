@@ -7,7 +7,9 @@ architecture is one `ArchSpec` entry below plus, if its layer differs, a model c
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.model import weight_names
 from pagedllm.model.errors import UnsupportedModelError  # noqa: F401  (raised here; its historical home)
@@ -18,6 +20,9 @@ SLIDING_WINDOW, TIED_EMBEDDINGS, ROPE_SCALING = "sliding_window", "tied_embeddin
 MOE, QK_NORM_WHOLE = "moe", "qk_norm_whole"  # experts in the MLP; q/k norm over the whole projection (OLMoE)
 MULTIPLIERS = "multipliers"  # Granite's embedding, residual, attention and logit multipliers
 PARTIAL_ROTARY, NOPE = "partial_rotary", "nope_layers"  # RoPE on part of each head (Phi); NoPE layers (SmolLM3)
+# gpt-oss: a sink logit per query head in attention; biases on the router and the experts; the experts' SwiGLU
+# clamped
+ATTENTION_SINKS, MOE_BIAS, CLAMPED_SWIGLU = "attention_sinks", "moe_bias", "clamped_swiglu"
 
 # What decoder_layer.cpp computes: a pre-norm layer (Llama's or Gemma 3's) with these optional parts. A model runs
 # its layers fused only when its spec says its layer is one of those and its config uses nothing outside this set.
@@ -48,6 +53,16 @@ class ArchSpec:
     gguf_moe_renormalize: bool = False  # what llama.cpp's graph does for the architecture (a file may say)
     qk_norm_whole: bool = False  # the q/k norm spans all heads' projection (OLMoE), not one head
     nope_interval: int | None = None  # every n-th layer without RoPE, where a checkpoint does not list them (SmolLM3)
+    attention_sinks: bool = False  # a learned sink logit per query head (gpt-oss)
+    moe_bias: bool = False  # biases on the router and every expert's projections (gpt-oss)
+    swiglu_clamp: tuple[float, float] | None = None  # the experts' SwiGLU (limit, alpha) where a file omits them
+    hf_adapter: str | None = None  # "module:function" rewriting the safetensors tensors into hf_names' form
+
+    def adapt_hf_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        if self.hf_adapter is None:
+            return weights
+        module, fn = self.hf_adapter.split(":")
+        return getattr(importlib.import_module(module), fn)(weights)
 
     def model_cls(self) -> type:
         module, cls = self.model_class.split(":")
@@ -71,6 +86,7 @@ _GEMMA3_HF, _GEMMA3_GGUF = weight_names.by_format(weight_names.GEMMA3)
 _PHI3_HF, _PHI3_GGUF = weight_names.by_format(weight_names.PHI3)
 _MOE_HF, _MOE_GGUF = weight_names.by_format(weight_names.LLAMA_MOE)
 _MIXTRAL_HF, _ = weight_names.by_format(weight_names.MIXTRAL)
+_GPT_OSS_HF, _GPT_OSS_GGUF = weight_names.by_format(weight_names.GPT_OSS)
 # the llama family's layer with its MLP a mixture of experts (the torch layers: the fused C++ layer has no experts)
 _MOE_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", gguf_names=_MOE_GGUF,
                    supports=_LLAMA_FAMILY["supports"] | {MOE})
@@ -103,6 +119,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (
              **_MOE_FAMILY),
     ArchSpec("mixtral", hf_architectures=("MixtralForCausalLM",), gguf_architectures=(), hf_names=_MIXTRAL_HF,
              moe_renormalize=True, **_MOE_FAMILY),
+    ArchSpec("gpt_oss", hf_architectures=("GptOssForCausalLM",), gguf_architectures=("gpt-oss",),
+             hf_names=_GPT_OSS_HF, moe_renormalize=True, gguf_moe_renormalize=True, sliding_window_pattern=2,
+             attention_sinks=True, moe_bias=True, swiglu_clamp=(7.0, 1.702),
+             hf_adapter="pagedllm.model.gpt_oss:split_hf_experts",
+             **{**_MOE_FAMILY, "gguf_names": _GPT_OSS_GGUF,
+                "supports": _MOE_FAMILY["supports"] | {ATTENTION_SINKS, MOE_BIAS, CLAMPED_SWIGLU}}),
     ArchSpec("olmoe", hf_architectures=("OlmoeForCausalLM",), gguf_architectures=("olmoe",), hf_names=_MOE_HF,
              always_qk_norm=True, qk_norm_whole=True,
              **{**_MOE_FAMILY, "supports": _MOE_FAMILY["supports"] | {QK_NORM_WHOLE}}),

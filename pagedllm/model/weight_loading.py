@@ -38,9 +38,9 @@ def _load_one(model: nn.Module, path: str, shard: int | None, tensor: torch.Tens
 
 
 def _experts_of(stacked: torch.Tensor | list[QuantTensor], num_experts: int, name: str):
-    """The per-expert pieces of a stacked expert tensor (a 3-D dense tensor, or the loader's list of per-expert
-    QuantTensors), after checking there is one per expert."""
-    count = len(stacked) if isinstance(stacked, list) else (stacked.shape[0] if stacked.dim() == 3 else -1)
+    """The per-expert pieces of a stacked expert tensor (a dense tensor, matrices or biases, or the loader's list
+    of per-expert QuantTensors), after checking there is one per expert."""
+    count = len(stacked) if isinstance(stacked, list) else (stacked.shape[0] if stacked.dim() >= 2 else -1)
     if count != num_experts:
         shape = [len(stacked), *stacked[0].shape] if isinstance(stacked, list) else list(stacked.shape)
         raise ValueError(f"weight {name!r}: shape {tuple(shape)} does not stack {num_experts} experts "

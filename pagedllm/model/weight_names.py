@@ -71,6 +71,22 @@ MIXTRAL: list[Row] = LLAMA + [
     ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "blk.{i}.ffn_down_exps.weight", _EXPERT_DOWN),
 ]
 
+# gpt-oss: the MoE layer with attention sinks, biases everywhere, and llama.cpp's name for the MLP's norm. The HF
+# names are those model/gpt_oss.py's adapter writes: transformers stacks the experts (transposed, gate and up
+# interleaved), as one tensor per layer; the adapter splits and transposes them, as llama.cpp's converter does.
+_EXPERTS = "model.layers.{i}.mlp.experts"
+GPT_OSS: list[Row] = [row for row in LLAMA if "post_attention_layernorm" not in row[0]] + [
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight",
+     "layers.{i}.post_norm.weight"),
+    ("model.layers.{i}.self_attn.sinks", "blk.{i}.attn_sinks.weight", "layers.{i}.attn.sinks"),
+    ("model.layers.{i}.mlp.router.weight", "blk.{i}.ffn_gate_inp.weight", _MOE_ROUTER),
+    ("model.layers.{i}.mlp.router.bias", "blk.{i}.ffn_gate_inp.bias", "layers.{i}.mlp.router.bias"),
+] + [(f"{_EXPERTS}.{proj}_proj.{kind}", f"blk.{{i}}.ffn_{proj}_exps.{kind}",
+      (path.replace(".weight", f".{kind}"), shard) if shard is not None else path.replace(".weight", f".{kind}"))
+     for kind in ("weight", "bias")
+     for proj, path, shard in (("gate", _EXPERT_GATE_UP, GATE), ("up", _EXPERT_GATE_UP, UP),
+                               ("down", _EXPERT_DOWN, None))]
+
 # Gemma 3: norms before and after both attention and MLP (HF's "post_attention_layernorm" is not Llama's)
 GEMMA3: list[Row] = _COMMON + [
     ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight", "layers.{i}.input_norm.weight"),

@@ -41,17 +41,18 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
     return q, k, v, k_cache, v_cache, meta
 
 
-def oracle(q, k, v, k_cache, v_cache, meta, scale, window=None, portable=False):
+def oracle(q, k, v, k_cache, v_cache, meta, scale, window=None, portable=False, sinks=None):
     """The reference backend in float64 on the values the pool holds (new K/V rounded to the cache dtype, or
     quantized into int8 rows and dequantized: exact in any float dtype). Writes the new K/V into the caches.
     Over int8 K/V the kernel's VNNI path also rounds q to int8 blocks: the oracle then takes the same rounded q."""
     if is_int8(k_cache):
         if kernels.rounds_int8_queries(q.shape[-1], portable):
             q = round_queries(q, scale)
-        return ReferenceBackend().forward(q.double(), k, v, k_cache, v_cache, meta, scale, window)
+        return ReferenceBackend().forward(q.double(), k, v, k_cache, v_cache, meta, scale, window, sinks)
     kv = k_cache.dtype
     k64, v64 = k_cache.double(), v_cache.double()
-    out = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), k64, v64, meta, scale, window)
+    out = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), k64, v64, meta, scale, window,
+                                     sinks)
     k_cache.copy_(k64), v_cache.copy_(v64)
     return out
 
@@ -153,6 +154,39 @@ def test_sliding_window_matches_reference_and_reads_only_the_window(case, dtype,
     out = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, mode=KernelMode(invariant, portable),
                                   window=window)
     torch.testing.assert_close(out.double(), ref, **tol(dtype, kv_dtype, d, portable))
+
+
+SINK_CASES = [
+    # block_size, hq, hkv, d, window, num_computed, num_new: gpt-oss's shape (64 query heads of 64 on 8 KV heads,
+    # windows of 128 on every other layer) and the other paths' (dot, lanes, portable head dims, long-context split)
+    (16, 64, 8, 64, None, [0, 300, 17, 1000], [40, 1, 3, 1]),
+    (16, 64, 8, 64, 128, [0, 300, 17, 1000], [200, 1, 3, 1]),
+    (16, 9, 3, 64, 24, *MIXED),
+    (8, 6, 3, 40, None, [0, 21], [19, 4]),
+    (16, 4, 1, 256, None, [0, 2000], [70, 1]),
+]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("case", SINK_CASES)
+def test_attention_sinks_match_reference(case, dtype, kv_dtype, portable, invariant):
+    """gpt-oss's sinks on every path: a logit per query head joins the softmax's denominator and adds no value,
+    against the reference's softmax over [scores, sink]; random sinks, some far above the scores (the sink then
+    takes most of the weight), some far below (nearly no effect)."""
+    block_size, hq, hkv, d, window, computed, new = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("sinks", case, dtype, kv_dtype, portable)).encode()))
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, block_size, hq, hkv, d, dtype, kv_dtype)
+    sinks = torch.randn(hq, generator=gen) * 2
+    sinks[0], sinks[-1] = 12.0, -30.0
+    ref = oracle(q, k, v, k_cache, v_cache, meta, d ** -0.5, window, portable, sinks)
+    out = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, mode=KernelMode(invariant, portable),
+                                  window=window, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref, **tol(dtype, kv_dtype, d, portable))
+    plain = kernels.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, mode=KernelMode(invariant, portable),
+                                    window=window)
+    assert (out.float() - plain.float()).abs().max() > 0.1  # the sinks changed the result
 
 
 @pytest.mark.parametrize("min_items", [1, 64])

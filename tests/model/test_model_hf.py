@@ -1,6 +1,6 @@
 """pagedllm's models vs transformers (the oracle) on tiny random checkpoints of every family (Llama, Mistral, Qwen2,
-Qwen3, Gemma 3, Granite, Phi-3, SmolLM3 and the mixtures of experts) saved as safetensors: same float32 logits (max
-abs diff < 1e-4) for every way a flat paged batch can be cut, and the same greedy tokens. Three of them have
+Qwen3, Gemma 3, Granite, Phi-3, SmolLM3 and the mixtures of experts, gpt-oss's sinks included) saved as safetensors: same float32 logits (max
+abs diff < 1e-4) for every way a flat paged batch can be cut, and the same greedy tokens. Four of them have
 sliding windows of 8 tokens (2 blocks), shorter than most contexts here: chunks, decode steps and prefix hits cross
 the window edge."""
 
@@ -71,6 +71,12 @@ def _hf_config(arch: str):
         return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     if arch == "olmoe":  # no renormalisation; q/k norm over the whole projection
         return tf.OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+    if arch == "gpt_oss":  # sinks, windowed and full layers alternating, YaRN (untruncated ramp), biases, and
+        # a SwiGLU limit these activations reach
+        return tf.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=WINDOW, swiglu_limit=0.5, rope_parameters={
+                                   "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 8.0,
+                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
     raise AssertionError(arch)
 
 
@@ -87,7 +93,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 ARCHS = ["llama3", "llama_tied", "mistral", "mistral_window", "qwen2", "qwen3", "gemma3", "granite", "phi3",
-         "smollm3", "qwen3moe", "mixtral", "olmoe"]
+         "smollm3", "qwen3moe", "mixtral", "olmoe", "gpt_oss"]
 
 
 @dataclass
@@ -109,9 +115,9 @@ def pair(request, tmp_path_factory) -> Pair:
     hf.save_pretrained(path)
     ours = load_model(path, "float32", attention_backend="reference", load_tokenizer=False)
     assert ours.config.architecture in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "granite", "phi3", "smollm3",
-                                        "qwen3moe", "mixtral", "olmoe")
-    assert (ours.config.num_experts > 0) == (request.param in ("qwen3moe", "mixtral", "olmoe"))
-    assert (ours.config.sliding_window == WINDOW) == (request.param in ("mistral_window", "gemma3", "phi3"))
+                                        "qwen3moe", "mixtral", "olmoe", "gpt_oss")
+    assert (ours.config.num_experts > 0) == (request.param in ("qwen3moe", "mixtral", "olmoe", "gpt_oss"))
+    assert (ours.config.sliding_window == WINDOW) == (request.param in ("mistral_window", "gemma3", "phi3", "gpt_oss"))
     assert (ours.config.rotary_dim, ours.config.nope_layers) == {"phi3": (12, []), "smollm3": (None, [1])}.get(
         request.param, (None, []))
     return Pair(hf, ours, path)

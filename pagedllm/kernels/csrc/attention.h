@@ -37,6 +37,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -76,7 +77,14 @@ struct Problem {
   bool q_bf16, kv_bf16;                 // out has q's dtype
   bool kv_int8;                         // int8 rows, each followed by its float16 scale (attention/kv_quant.py)
   bool invariant;                       // batch-invariant mode (see paged_attention.cpp)
+  const float* sinks = nullptr;         // [hq] sink logits in base 2 (x log2 e), or none
 };
+
+// What a head's sink adds to a row's softmax denominator, relative to the row's running max m (base 2): the
+// sink weighs like a key of score `sink` whose value is zero, so it is added once, when the row is finished.
+inline float sink_weight(const Problem& p, int64_t head, float m) {
+  return p.sinks ? std::exp2(p.sinks[head] - m) : 0.f;
+}
 
 // An int8 KV row: d int8 values, then the two bytes of its float16 scale (value = q * scale).
 constexpr int64_t kScaleBytes = 2;

@@ -45,7 +45,8 @@ void start_tile(const Problem& p, const Item& it, Scratch& s, int64_t rows) {
   std::fill(s.l.get(), s.l.get() + rows, 0.f);
 }
 
-// Writes a finished tile: normalised rows into out, or the unnormalised (m, l, acc) of a context slice.
+// Writes a finished tile: normalised rows into out (the sink, if any, joining the denominator), or the
+// unnormalised (m, l, acc) of a context slice.
 void finish(const Problem& p, const Item& it, const float* acc, const float* m, const float* l, float* partials) {
   const int64_t rows = item_rows(p, it);
   if (it.part >= 0) {
@@ -58,7 +59,8 @@ void finish(const Problem& p, const Item& it, const float* acc, const float* m, 
   for (int64_t i = 0; i < rows; ++i) {
     const auto [t, head] = row_of(p, it, i);
     const int64_t off = ((p.qsl[it.r] + t) * p.hq + head) * p.d;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float denom = l[i] + sink_weight(p, head, m[i]);
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
     const float* a = acc + i * p.d;
     if (p.q_bf16) {
       uint16_t* o = static_cast<uint16_t*>(p.out) + off;

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "isa.h"
@@ -177,10 +178,11 @@ struct KernelMode {
 };
 
 // paged_attention.cpp: out[T,Hq,D] = attention of q over the paged K/V; window > 0: each query sees only its
-// `window` most recent keys (itself included).
+// `window` most recent keys (itself included); sinks [Hq] float32 (gpt-oss): one logit per query head that joins
+// the softmax's denominator and adds no value.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, double scale, bool portable, bool invariant,
-                     int64_t min_items, int64_t window);
+                     int64_t min_items, int64_t window, const std::optional<at::Tensor>& sinks);
 
 // Up to this many rows a bf16 linear runs on the small GEMM (bandwidth-bound: each weight row streamed once for
 // all rows), beyond on oneDNN. Python reads it through the small_gemm_max_rows op.

@@ -356,7 +356,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
   });
   const at::Tensor q = buf.qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
   pagedllm::paged_attention(buf.attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s.scale,
-                            /*portable=*/false, invariant, 0, w.window);
+                            /*portable=*/false, invariant, 0, w.window, std::nullopt);
   linear<T>(buf.attn.view({M, q_size}), w.o, w.o_b, buf.proj, invariant);
   for_rows(M, [&](int64_t m) {  // h += (the norm of) o; then the MLP's norm of the new h
     if (w.attn_out_norm) norm(projp + m * H, *w.attn_out_norm, projp + m * H, H);

@@ -100,7 +100,7 @@ using namespace pagedllm::attn;
 // (0 = kItemsPerThread x threads).
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, double scale, bool portable,
-                     bool invariant, int64_t min_items, int64_t window) {
+                     bool invariant, int64_t min_items, int64_t window, const std::optional<at::Tensor>& sinks) {
   const KernelMode mode{portable, invariant};
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
@@ -144,6 +144,15 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   p.q_bf16 = is_bf16(q);
   p.kv_bf16 = is_bf16(k_cache);
   p.invariant = mode.invariant;
+  std::vector<float> sinks2;  // the sinks in base 2, as the scores are
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::ScalarType::Float && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == p.hq,
+                "sinks must be a contiguous float32 tensor of one logit per query head");
+    const float* s = sinks->data_ptr<float>();
+    for (int64_t h = 0; h < p.hq; ++h) sinks2.push_back(s[h] * kLog2e);
+    p.sinks = sinks2.data();
+  }
   const int64_t num_slots = k_cache.size(0) * p.bs;
 
   // Tiles: up to kMaxRows rows (tokens x group heads) each.
