@@ -227,6 +227,26 @@ def test_harmony_reasoning_then_tool_calls(text, expected, caplog):
     check_streams(make, text, seed=11)
 
 
+HARMONY_SOUP = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>",
+                "assistant", " to=functions.get_weather", " to=python", "analysis", "commentary", "final", " json",
+                '{"a": 1}', "hi", " ", "\n", "<", "to=", "x"]
+
+
+def test_harmony_token_soup_never_breaks_a_stream():
+    """Harmony's markers and words in random order (what a confused model may write): every parser combination
+    parses it, and its streams, in every prefix and random chunks, assemble into the whole parse."""
+    from tiny_models import fresh_seed
+
+    makers = [lambda: OutputParser(make_reasoning_parser("gpt_oss"), Start.OPEN, make_tool_parser("gpt_oss", TOOLS)),
+              lambda: OutputParser(make_reasoning_parser("gpt_oss"), Start.OPEN),
+              lambda: OutputParser(tools=make_tool_parser("gpt_oss", TOOLS))]
+    rng = random.Random(fresh_seed())
+    for _ in range(60):
+        text = "".join(rng.choice(HARMONY_SOUP) for _ in range(rng.randint(1, 14)))
+        for make in makers:
+            check_streams(make, text, seed=rng.randrange(1 << 16))
+
+
 def test_start_state_from_the_prompt():
     r1, q3 = make_reasoning_parser("deepseek_r1"), make_reasoning_parser("qwen3")
     assert q3.start_state("<|im_start|>assistant\n<think>\n") is Start.OPEN

@@ -5,6 +5,7 @@ gpt-oss would: analysis, then a call to a function or the final answer."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -15,8 +16,20 @@ from tiny_models import make_tiny_model, make_tokenizer
 HARMONY_ARCH = "llama"
 SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 EOS = ["<|return|>", "<|call|>"]  # as gpt-oss's generation_config lists them
-REAL_TEMPLATE = Path("/work/main/.venv/bench-build/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/"
-                     "openai-gpt-oss-120b.jinja")
+
+
+def _real_template() -> Path:
+    """OpenAI's gpt-oss template: $PAGEDLLM_GPT_OSS_TEMPLATE, else the copy in the bench build's llama.cpp
+    sources (`make bench-setup`); a path that does not exist when there is neither."""
+    if os.environ.get("PAGEDLLM_GPT_OSS_TEMPLATE"):
+        return Path(os.environ["PAGEDLLM_GPT_OSS_TEMPLATE"])
+    root = Path(__file__).resolve().parents[2]
+    found = sorted(root.glob(".venv/bench-build/llama_cpp_python-*/vendor/llama.cpp/models/templates/"
+                             "openai-gpt-oss-120b.jinja"))
+    return found[-1] if found else root / "openai-gpt-oss-120b.jinja (not found)"
+
+
+REAL_TEMPLATE = _real_template()
 
 # harmony as gpt-oss's template renders it, reduced to what the tests exercise: the reasoning effort in the
 # system message, the developer message's instructions and tools, the calls addressed to=functions.NAME with
