@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from server_harness import MAX_MODEL_LEN, LiveServer
@@ -174,7 +175,50 @@ def weather_script(prompt: str) -> str | ModelText | None:
     return None
 
 
+def weather_agent(model, calls: list[str], **kw):
+    """An `openai-agents` agent with one Python tool, get_weather, which records the cities it is called for."""
+    import agents
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}, 21C"
+
+    return agents.Agent(name="weather", instructions="Answer with the tools.", tools=[get_weather], model=model, **kw)
+
+
 def openai_client(server: LiveServer):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+
+
+# chat completions as a client reads them: (content, reasoning, calls, finish reason)
+def assembled(chunks):
+    """The message a client builds from the stream: content, reasoning and tool calls by index."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or tc.id
+            call["name"] += (tc.function.name or "") if tc.function else ""
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = ch.choices[0].finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def whole(r):
+    m = r.choices[0].message
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls or []]
+    return m.content or "", getattr(m, "reasoning_content", None) or "", calls, r.choices[0].finish_reason
+
+
+def same_but_ids(a, b):
+    strip = lambda x: (x[0], x[1], [{k: v for k, v in c.items() if k != "id"} for c in x[2]], x[3])  # noqa: E731
+    return strip(a) == strip(b)

@@ -8,26 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Literal
 
 import pytest
-from agent_harness import API_KEY, make_agent_model, scripted_server, warm_up, weather_script
+from agent_harness import API_KEY, make_agent_model, scripted_server, warm_up, weather_agent, weather_script
 from server_harness import assert_idle_no_leak, free_port, wait_healthy
 
 agents = pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
 
 agents.set_tracing_disabled(True)  # no trace export: nothing may leave this machine
-
-
-def weather_agent(model, calls: list[str], **kw):
-    @agents.function_tool
-    def get_weather(city: Literal["Paris", "Rome"]) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"Sunny in {city}, 21C"
-
-    return agents.Agent(name="weather", instructions="Answer with the tools.", tools=[get_weather], model=model, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,16 @@ import json
 import httpx
 import jsonschema
 import pytest
-from agent_harness import API_KEY, LONG_CALL, QWEN3_TEMPLATE, WEATHER_SCHEMA, openai_client
+from agent_harness import (
+    API_KEY,
+    LONG_CALL,
+    QWEN3_TEMPLATE,
+    WEATHER_SCHEMA,
+    assembled,
+    openai_client,
+    same_but_ids,
+    whole,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -26,35 +35,6 @@ def client(agent_server):
 def chat(client, content, **kw):
     kw.setdefault("max_tokens", 200)
     return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
-
-
-def assembled(chunks):
-    """The message a client builds from the stream: content, reasoning and tool calls by index."""
-    content, reasoning, calls, finish = "", "", {}, None
-    for ch in chunks:
-        if not ch.choices:
-            continue
-        d = ch.choices[0].delta
-        content += d.content or ""
-        reasoning += getattr(d, "reasoning_content", None) or ""
-        for tc in d.tool_calls or []:
-            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-            call["id"] = call["id"] or tc.id
-            call["name"] += (tc.function.name or "") if tc.function else ""
-            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
-        finish = ch.choices[0].finish_reason or finish
-    return content, reasoning, [calls[i] for i in sorted(calls)], finish
-
-
-def whole(r):
-    m = r.choices[0].message
-    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls or []]
-    return m.content or "", getattr(m, "reasoning_content", None) or "", calls, r.choices[0].finish_reason
-
-
-def same_but_ids(a, b):
-    strip = lambda x: (x[0], x[1], [{k: v for k, v in c.items() if k != "id"} for c in x[2]], x[3])  # noqa: E731
-    return strip(a) == strip(b)
 
 
 @pytest.mark.parametrize("content", ["What is the weather in Paris?", "Weather in Paris and Rome, please.",

@@ -87,6 +87,28 @@ CASES = [
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n1",
      [("call", '{"city": "Paris"', "get_weather", False)]),
     ("qwen3_coder", "<tool_call>\nhello\n</tool_call>", [("text", "<tool_call>\nhello\n</tool_call>", "", True)]),
+    # harmony (gpt-oss), as the model writes it after the prompt's `<|start|>assistant`; <|call|> and <|return|>
+    # end the sequence, so the text usually stops before them. Without a reasoning parser the analysis is text.
+    ("gpt_oss", f"<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                f"to=functions.get_weather <|constrain|>json<|message|>{W}",
+     [("text", "Need the weather.", "", True), ("call", W, "get_weather", True)]),
+    ("gpt_oss", f" to=functions.get_time<|channel|>commentary json<|message|>{T}<|call|>",
+     [("call", T, "get_time", True)]),
+    ("gpt_oss", f"<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant to=functions.get_time"
+                f"<|channel|>commentary json<|message|>{T}<|call|><|start|>assistant to=functions.get_weather"
+                f"<|channel|>commentary json<|message|>{W}",
+     [("text", "Checking both.", "", True), ("call", T, "get_time", True), ("call", W, "get_weather", True)]),
+    ("gpt_oss", '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Par',
+     [("call", '{"city": "Par', "get_weather", True)]),  # cut: max_tokens marks it (mark_cut)
+    ("gpt_oss", "<|channel|>commentary to=functions.get_time<|message|><|call|>", [("call", "{}", "get_time", True)]),
+    ("gpt_oss", "<|channel|>commentary to=functions.get_weather", [("call", "", "get_weather", False)]),
+    ("gpt_oss", "<|channel|>final<|message|>It is 3 < 4, sunny.<|return|>",
+     [("text", "It is 3 < 4, sunny.", "", True)]),
+    ("gpt_oss", "<|channel|>chatter<|message|>odd channel<|end|><|start|>assistant<|channel|>analysis to=browser.search"
+                ' json<|message|>{"q": 1}<|end|><|start|>assistant<|channel|>final<|message|>ok',
+     [("text", 'odd channel\n{"q": 1}\nok', "", True)]),
+    ("gpt_oss", "Plain words, no harmony at all.", [("text", "Plain words, no harmony at all.", "", True)]),
+    ("gpt_oss", "<|start|><|start|>assistant<|channel|>final<|message|>fine", [("text", "fine", "", True)]),
 ]
 
 
@@ -150,6 +172,19 @@ REASONING = [
     ("qwen3", Start.MAY_OPEN, "Hello without thinking <think> here", [("text", "Hello without thinking <think> here",
                                                                         "", True)]),
     ("qwen3", Start.OFF, "<think>x</think>y", [("text", "<think>x</think>y", "", True)]),
+    ("gpt_oss", Start.OPEN, "<|channel|>analysis<|message|>2 + 2 is 4.<|end|>\n<|start|>assistant<|channel|>final"
+                            "<|message|>The answer is 4.<|return|>",
+     [("reasoning", "2 + 2 is 4.", "", True), ("text", "The answer is 4.", "", True)]),
+    ("gpt_oss", Start.OPEN, "<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>analysis"
+                            "<|message|>Second.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+     [("reasoning", "First.\nSecond.", "", True), ("text", "Done.", "", True)]),
+    ("gpt_oss", Start.OPEN, "<|channel|>analysis<|message|>Cut while thinki",
+     [("reasoning", "Cut while thinki", "", True)]),
+    ("gpt_oss", Start.OPEN, "<|channel|>final<|message|>No reasoning.", [("text", "No reasoning.", "", True)]),
+    ("gpt_oss", Start.OPEN, "<|channel|>commentary<|message|>Preamble.<|end|><|start|>assistant<|channel|>analysis"
+                            "<|message|>Late thought.<|end|><|start|>assistant<|channel|>final<|message|>Answer.",
+     [("text", "Preamble.\nLate thought.\nAnswer.", "", True)]),  # reasoning after content stays content
+    ("gpt_oss", Start.OFF, '{"json": "constrained"}', [("text", '{"json": "constrained"}', "", True)]),
 ]
 
 
@@ -167,6 +202,49 @@ def test_reasoning_then_tool_calls():
     assert shape(parse_final(make(), text)) == [("reasoning", "The user wants weather.", "", True),
                                                 ("call", W, "get_weather", True)]
     check_streams(make, text, seed=7)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (f"<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary "
+     f"to=functions.get_weather <|constrain|>json<|message|>{W}",
+     [("reasoning", "The user wants weather.", "", True), ("call", W, "get_weather", True)]),
+    (f"<|channel|>analysis<|message|>Two calls.<|end|><|start|>assistant<|channel|>commentary<|message|>On it."
+     f"<|end|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{T}<|call|>"
+     f"<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{W}",
+     [("reasoning", "Two calls.", "", True), ("text", "On it.", "", True), ("call", T, "get_time", True),
+      ("call", W, "get_weather", True)]),
+    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Hi!",
+     [("reasoning", "Easy.", "", True), ("text", "Hi!", "", True)]),
+    ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>commentary to=python<|message|>1+1",
+     [("reasoning", "Hmm.", "", True), ("text", "1+1", "", True)]),  # a built-in tool this server does not run
+])
+def test_harmony_reasoning_then_tool_calls(text, expected, caplog):
+    make = lambda: OutputParser(make_reasoning_parser("gpt_oss"), Start.OPEN, make_tool_parser("gpt_oss", TOOLS))  # noqa: E731
+    assert shape(parse_final(make(), text)) == expected
+    unknown = [r for r in caplog.records if "not one this server reads" in r.getMessage()]
+    assert len(unknown) == (1 if "to=python" in text else 0)  # warned once (the final parse), never raised
+    assert make().keeps_special_tokens
+    check_streams(make, text, seed=11)
+
+
+HARMONY_SOUP = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>",
+                "assistant", " to=functions.get_weather", " to=python", "analysis", "commentary", "final", " json",
+                '{"a": 1}', "hi", " ", "\n", "<", "to=", "x"]
+
+
+def test_harmony_token_soup_never_breaks_a_stream():
+    """Harmony's markers and words in random order (what a confused model may write): every parser combination
+    parses it, and its streams, in every prefix and random chunks, assemble into the whole parse."""
+    from tiny_models import fresh_seed
+
+    makers = [lambda: OutputParser(make_reasoning_parser("gpt_oss"), Start.OPEN, make_tool_parser("gpt_oss", TOOLS)),
+              lambda: OutputParser(make_reasoning_parser("gpt_oss"), Start.OPEN),
+              lambda: OutputParser(tools=make_tool_parser("gpt_oss", TOOLS))]
+    rng = random.Random(fresh_seed())
+    for _ in range(60):
+        text = "".join(rng.choice(HARMONY_SOUP) for _ in range(rng.randint(1, 14)))
+        for make in makers:
+            check_streams(make, text, seed=rng.randrange(1 << 16))
 
 
 def test_start_state_from_the_prompt():
@@ -192,6 +270,8 @@ def test_template_default_parser():
     assert tool_parser_for_template("{% if tools %}<tool_call><function={{ n }}>{% endif %}") == "qwen3_coder"
     assert tool_parser_for_template("{% for t in tools %}[TOOL_CALLS]{% endfor %}") == "mistral"
     assert tool_parser_for_template('{{ tools }} <|python_tag|> {"name": x, "parameters": y}') == "llama3_json"
+    assert tool_parser_for_template('{% if tools %}"<|start|>assistant to=" + name + "<|channel|>commentary "') \
+        == "gpt_oss"
     assert tool_parser_for_template("{{ tools }} <tool_call> [TOOL_CALLS]") is None  # ambiguous
     assert tool_parser_for_template("{{ messages }}") is None
 

@@ -48,6 +48,12 @@ class OutputParser:
         """Text in, text out: nothing to parse."""
         return self.start is Start.OFF and self.tools is None
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The output must be detokenized with its special tokens: a parser reads markers that are such tokens."""
+        reasoning = self.start is not Start.OFF and self.reasoning.keeps_special_tokens
+        return reasoning or (self.tools is not None and self.tools.keeps_special_tokens)
+
     def parse(self, text: str, final: bool) -> list[Segment]:
         split = self.reasoning.split(text, self.start, final) if self.reasoning is not None else Split("", text, True)
         out = [Segment("reasoning", split.reasoning)] if split.reasoning else []

@@ -290,10 +290,11 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[str] | None = None
+    # the template variable gpt-oss's template reads for its system message (`Reasoning: high`)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # chat template controls (vLLM names)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -301,9 +302,13 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
 
     def template_options(self, template: str | None = None) -> dict[str, Any]:
-        """Rendering options; `template`: the one to render with (the request's own only if trusted)."""
+        """Rendering options; `template`: the one to render with (the request's own only if trusted). The
+        request's chat_template_kwargs win over reasoning_effort."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is not None:
+            kwargs = {"reasoning_effort": self.reasoning_effort, **(kwargs or {})}
         return {"chat_template": template,
-                "chat_template_kwargs": self.chat_template_kwargs,
+                "chat_template_kwargs": kwargs,
                 "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 

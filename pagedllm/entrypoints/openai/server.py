@@ -199,7 +199,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="let requests carry their own chat_template (a program the server renders; refused "
                              "by default, as vLLM)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                        help="read the model's <think> reasoning out of its text: reasoning_content (chat), "
+                        help="read the model's reasoning (<think> spans; gpt_oss: harmony's analysis channel) out of "
+                             "its text: reasoning_content (chat), "
                              "reasoning items (responses), thinking blocks (messages)")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the format of tool calls in free text for tool_choice auto (default: read from the "

@@ -73,8 +73,8 @@ class OpenAIServingChat(OpenAIServing):
             raise ValueError(f"{asked.field_name}: cannot be combined with a forced tool_choice")
         structure = plan.structure if plan is not None and plan.structure is not None else asked
         call.parser = plan_output(self.engine.tokenizer, self.reasoning_parser, call.prompts[0], plan, structure)
-        if plan is not None and plan.structure is None and plan.parser.keeps_special_tokens:
-            call.params.skip_special_tokens = False  # the parser reads markers that are special tokens
+        if call.parser.keeps_special_tokens:
+            call.params.skip_special_tokens = False  # the parsers read markers that are special tokens
         return structure
 
     async def prompts(self, req: ChatCompletionRequest) -> list[Prompt]:

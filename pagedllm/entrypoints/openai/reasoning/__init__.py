@@ -4,10 +4,11 @@ reasoning items (responses) and thinking blocks (messages)."""
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.reasoning.base import ReasoningParser, Split, Start
+from pagedllm.entrypoints.openai.reasoning.gpt_oss import GptOssReasoningParser
 from pagedllm.entrypoints.openai.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (
-    DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+    DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)}
 
 
 def make_reasoning_parser(name: str) -> ReasoningParser:

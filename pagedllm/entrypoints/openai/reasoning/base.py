@@ -30,6 +30,7 @@ class ReasoningParser:
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
     opens_by_default: ClassVar[bool] = False  # the model reasons first even when the prompt does not open it
+    keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens the detokenizer would drop
 
     def start_state(self, prompt: str) -> Start:
         tail = prompt.rstrip()

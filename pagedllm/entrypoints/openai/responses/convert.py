@@ -13,7 +13,7 @@ from pagedllm.entrypoints.openai.structured import function_tools
 
 # chat request fields -> the Responses field they came from (for error messages)
 CHAT_NAMES = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
-              "max_tokens": "max_output_tokens"}
+              "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 
 
@@ -120,4 +120,5 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]], reques
                              tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
                              parallel_tool_calls=req.parallel_tool_calls, response_format=response_format(req.text),
                              max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
-                             top_p=req.top_p, stream=req.stream, user=req.user, request_id=request_id, **extras)
+                             top_p=req.top_p, stream=req.stream, user=req.user, request_id=request_id,
+                             reasoning_effort=(req.reasoning or {}).get("effort"), **extras)

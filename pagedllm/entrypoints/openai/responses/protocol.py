@@ -31,8 +31,8 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: dict[str, Any] | None = None  # its effort is the chat request's reasoning_effort; summary ignored
     # accepted and ignored: hints that do not change what is generated here
-    reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     truncation: str | None = None
     service_tier: str | None = None

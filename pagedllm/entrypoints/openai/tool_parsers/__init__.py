@@ -7,13 +7,14 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ParsedCall, Piece, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from pagedllm.entrypoints.openai.tool_parsers.gpt_oss import GptOssToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser)}
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser, GptOssToolParser)}
 
 # what a chat template that renders tool calls in each format contains (the first marker that matches wins
 # within a format; a template matching two formats is ambiguous)
@@ -22,6 +23,7 @@ _TEMPLATE_MARKERS: dict[str, tuple[str, ...]] = {
     "hermes": ("<tool_call>",),
     "mistral": ("[TOOL_CALLS]",),
     "llama3_json": ("<|python_tag|>", '"parameters": '),
+    "gpt_oss": ("<|channel|>commentary",),
 }
 
 
