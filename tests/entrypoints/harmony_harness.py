@@ -12,8 +12,7 @@ from pathlib import Path
 from agent_harness import ModelText
 from tiny_models import make_tiny_model, make_tokenizer
 
-# the arch of the tiny checkpoint; "gpt_oss" once the engine and tiny_models.make_tiny_model support it
-HARMONY_ARCH = "llama"
+HARMONY_ARCH = "gpt_oss"  # the tiny checkpoint: a random gpt-oss (sinks, alternating windows, experts)
 SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 EOS = ["<|return|>", "<|call|>"]  # as gpt-oss's generation_config lists them
 
