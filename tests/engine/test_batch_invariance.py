@@ -52,6 +52,10 @@ PATHS = [
     # per-expert GEMMs of a token depend on its own row alone (tests/model/test_moe.py holds the block's rows
     # bitwise equal alone and batched in both dtypes' kernels)
     ExecPath("moe-q4_k_m", torch.float32, torch.float32, engine={"model": "tiny-moe", "quantization": "gguf"}),
+    # gpt-oss (a tiny random checkpoint): attention sinks in the C++ kernel, windowed layers beside full ones in
+    # the hybrid KV manager, router and expert biases
+    ExecPath("gpt-oss", torch.float32, torch.float32, engine={"model": "tiny-gpt-oss"}),
+    ExecPath("gpt-oss-bf16", torch.bfloat16, torch.bfloat16, engine={"model": "tiny-gpt-oss"}),
 ]
 
 
@@ -259,6 +263,22 @@ def tiny_moe(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> str:
+    """A random tiny gpt-oss (windows of 16 on every other layer: the prompts here are longer) with the embedded
+    model's tokenizer (the prompts' lengths, which the KV budgets here are chosen for)."""
+    import os
+
+    import transformers
+    from tiny_models import make_tiny_model
+
+    from pagedllm.model.loader import default_model_path
+
+    gguf = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    return str(make_tiny_model(tmp_path_factory.mktemp("gpt-oss"), "gpt_oss", seed=3, tokenizer=tokenizer))
+
+
 @pytest.fixture(scope="module", params=ENGINE_PATHS, ids=[p.name for p in ENGINE_PATHS])
 def alone(request):
     """(the path's LLM arguments, the requests, each one's outputs run alone on a fresh engine without a prefix
@@ -268,8 +288,8 @@ def alone(request):
     path = request.param
     dtype = "float32" if path.dtype == torch.float32 else "bfloat16"
     engine = dict(path.engine)
-    if engine.get("model") == "tiny-moe":
-        engine["model"] = request.getfixturevalue("tiny_moe")
+    if engine.get("model") in ("tiny-moe", "tiny-gpt-oss"):
+        engine["model"] = request.getfixturevalue(engine["model"].replace("-", "_"))
     reqs = _requests(seed=4)  # the same requests on every path (this mix preempts in test_engine_preempted_...)
     outs = []
     for prompt, params in reqs:
