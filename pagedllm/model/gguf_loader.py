@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig
-from pagedllm.model.errors import UnsupportedModelError
+from pagedllm.model.errors import InvalidModelError, UnsupportedModelError
 from pagedllm.model.gguf_reader import GGUFFile, GGUFTensorInfo
 from pagedllm.quantization.types import BY_ID as GGML_TYPES
 from pagedllm.quantization.types import FLOAT_TYPES, GEOMETRY
@@ -31,6 +31,29 @@ def dequantize(f: GGUFFile, t: GGUFTensorInfo) -> torch.Tensor:
     from pagedllm.quantization import dequant
 
     return dequant.dequantize(raw, name, t.shape)
+
+
+_CHECK_SLICE = 64 << 20  # bytes of a tensor checked between two page drops
+
+
+def check_blocks(f: GGUFFile, t: GGUFTensorInfo) -> None:
+    """InvalidModelError naming the tensor where its blocks hold a value the format leaves undefined (MXFP4's NaN
+    scale): every tensor is checked before it is dequantized or packed. The pages checked are dropped as the check
+    passes them, so that a large tensor is not resident whole before its packing reads it again."""
+    from pagedllm.quantization.dequant import BLOCK_CHECKS, first_invalid_block
+
+    name, _, block_bytes = GEOMETRY[t.ggml_type]
+    if name not in BLOCK_CHECKS:
+        return
+    step = max(1, _CHECK_SLICE // block_bytes) * block_bytes
+    for start in range(0, t.nbytes, step):
+        n = min(step, t.nbytes - start)
+        found = first_invalid_block(f.blob[t.offset + start:t.offset + start + n], name)
+        f.release_pages(t.offset + start, n)
+        if found:
+            block, reason = found
+            raise InvalidModelError(f"{name} block {start // block_bytes + block} of {t.nbytes // block_bytes}: "
+                                    f"{reason}", path=f.path, field=f"tensor {t.name!r}")
 
 
 def type_name(ggml_type: int) -> str:
@@ -78,6 +101,7 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
     spec = registry.spec(cfg.architecture)
     permuted = spec.gguf_permuted_qk
     for name, info in f.tensors.items():
+        check_blocks(f, info)
         if len(info.shape) == 3 and as_stored and runs_as_stored(info.ggml_type, info.shape[2]):
             yield name, _expert_views(f, info)  # each view releases its own pages once packed (or is copied)
             continue

@@ -1,7 +1,9 @@
 """Vectorised dequantisation of ggml block formats to float32 torch tensors.
 
-The common 32-element formats (Q4_0, Q4_1, Q8_0) are done in torch (multi-threaded, ~5x faster than the gguf
-package's numpy code here); everything else goes through gguf.quants.dequantize, which is vectorised numpy.
+The common 32-element formats (Q4_0, Q4_1, Q8_0, MXFP4) are done in torch (multi-threaded, ~5x faster than the
+gguf package's numpy code here); everything else goes through gguf.quants.dequantize, which is vectorised numpy.
+Blocks holding a value no format defines (MXFP4's NaN scale) are found by `first_invalid_block` before either the
+dequantizer or the kernels' packing reads them.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
     return b[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
-def _nibbles_float(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] bytes -> float32 [n, 32]: low nibbles are elements 0..15, high nibbles 16..31."""
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> uint8 [n, 32]: low nibbles are elements 0..15, high nibbles 16..31."""
     q = torch.empty(qs.shape[0], 2, 16, dtype=torch.uint8)
     torch.bitwise_and(qs, 0x0F, out=q[:, 0])
     torch.bitwise_right_shift(qs, 4, out=q[:, 1])
-    return q.view(-1, 32).float()
+    return q.view(-1, 32)
+
+
+def _nibbles_float(qs: torch.Tensor) -> torch.Tensor:
+    return _nibbles(qs).float()
 
 
 def _q4_0(raw: np.ndarray) -> torch.Tensor:
@@ -43,7 +49,43 @@ def _q8_0(raw: np.ndarray) -> torch.Tensor:
     return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
 
 
-_TORCH_DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}
+# MXFP4's e2m1 values doubled, so that they are integers; its scale is halved to match (ggml's kvalues_mxfp4)
+E2M1X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_MXFP4_BYTES, _E8M0_NAN = 17, 255
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """e8m0 exponent bytes as float32 2^(e - 128), exactly (subnormal below e = 2). e = 255 (NaN) is not read."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(0x00200000, e), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(raw: np.ndarray) -> torch.Tensor:
+    b = _blocks(raw, _MXFP4_BYTES)
+    values = torch.tensor(E2M1X2, dtype=torch.float32)[_nibbles(b[:, 1:]).long()]
+    return values.mul_(e8m0_half(b[:, :1]))
+
+
+_TORCH_DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "MXFP4": _mxfp4}
+
+
+def _mxfp4_nan_scales(raw: np.ndarray) -> np.ndarray:
+    return np.asarray(raw).reshape(-1, _MXFP4_BYTES)[:, 0] == _E8M0_NAN
+
+
+# per type whose blocks can hold a value the format leaves undefined: which blocks do (bool per block), and why
+BLOCK_CHECKS = {"MXFP4": (_mxfp4_nan_scales, "its scale byte is 255, which e8m0 defines as NaN")}
+
+
+def first_invalid_block(raw: np.ndarray, type_name: str) -> tuple[int, str] | None:
+    """(index, reason) of the first block of `raw` (uint8 blocks of `type_name`) that cannot be loaded, or None:
+    the loader checks every tensor's data with it before dequantizing or packing it (the kernels decode no NaN)."""
+    if type_name not in BLOCK_CHECKS:
+        return None
+    check, reason = BLOCK_CHECKS[type_name]
+    bad = check(raw)
+    return (int(np.argmax(bad)), reason) if bad.any() else None
 
 
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:

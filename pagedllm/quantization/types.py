@@ -38,6 +38,7 @@ TYPES: tuple[GGMLType, ...] = (
     GGMLType("Q6_K", 14, 256, 210, True),
     GGMLType("IQ4_NL", 20, 32, 18, True),
     GGMLType("IQ4_XS", 23, 256, 136, True),
+    GGMLType("MXFP4", 39, 32, 17, True),  # e8m0 scale byte, 16 bytes of 4-bit e2m1 codes (gpt-oss's experts)
 )
 BY_ID: dict[int, GGMLType] = {t.id: t for t in TYPES}
 # Types a GGUF file may hold that pagedllm does not load (name, id, block, bytes): their geometry lets the reader
@@ -46,8 +47,8 @@ OTHER_TYPES: tuple[tuple[str, int, int, int], ...] = (
     ("Q8_1", 9, 32, 40), ("Q8_K", 15, 256, 292), ("IQ2_XXS", 16, 256, 66), ("IQ2_XS", 17, 256, 74),
     ("IQ3_XXS", 18, 256, 98), ("IQ1_S", 19, 256, 50), ("IQ3_S", 21, 256, 110), ("IQ2_S", 22, 256, 82),
     ("I8", 24, 1, 1), ("I16", 25, 1, 2), ("I32", 26, 1, 4), ("I64", 27, 1, 8), ("F64", 28, 1, 8),
-    ("IQ1_M", 29, 256, 56), ("TQ1_0", 34, 256, 54), ("TQ2_0", 35, 256, 66), ("MXFP4", 39, 32, 17),
-    ("NVFP4", 40, 64, 36), ("Q1_0", 41, 128, 18),
+    ("IQ1_M", 29, 256, 56), ("TQ1_0", 34, 256, 54), ("TQ2_0", 35, 256, 66), ("NVFP4", 40, 64, 36),
+    ("Q1_0", 41, 128, 18),
 )
 # every ggml type id -> (name, elements per block, bytes per block); tests hold it to the gguf package's sizes
 GEOMETRY: dict[int, tuple[str, int, int]] = {**{t.id: (t.name, t.block, t.bytes) for t in TYPES},

@@ -1,9 +1,10 @@
 """Random-weight GGUF files of a given shape and quantization type (benchmark models and test fixtures).
 
 Weights are random normals quantized with `gguf.quants.quantize` where the gguf package has a quantizer (F32,
-F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). The package has no K-quant or IQ4 quantizer, so those tensors are
-written as random but well-formed blocks (random codes, sub-scales and mins, super-scales chosen so that the
-weights have about the same spread as the normals): for a random-weight model either is as good.
+F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and with `quantize_mxfp4` (llama.cpp's reference quantizer) for MXFP4.
+The package has no K-quant or IQ4 quantizer, so those tensors are written as random but well-formed blocks (random
+codes, sub-scales and mins, super-scales chosen so that the weights have about the same spread as the normals): for
+a random-weight model either is as good.
 
 Q3_K_M, Q4_K_M and Q5_K_M are typed tensor by tensor as llama.cpp's llama-quantize types them
 (`llama_tensor_get_type`):
@@ -13,7 +14,7 @@ Q3_K_M, Q4_K_M and Q5_K_M are typed tensor by tensor as llama.cpp's llama-quanti
   the other attn_v, ffn_down and every attn_output, Q3_K elsewhere;
 - both with llama-quantize's fallbacks where rows are not whole 256-blocks (Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
   Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an output head -> Q8_0).
-A single-type file is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
+A single-type file (MXFP4 too) is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
 The vocabulary of a shape (151,936 for Qwen2.5) pads the embedded tokenizer's with unused tokens: a real prompt
 never samples them, but every decode step reads their rows of the output head.
 """
@@ -27,7 +28,7 @@ import numpy as np
 from pagedllm.quantization.types import BY_NAME, FLOAT_TYPES
 
 FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-              "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q4_K_M", "Q5_K_M")
+              "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K_M", "Q4_K_M", "Q5_K_M")
 # types gguf.quants has no quantizer for: written as random well-formed blocks
 RANDOM_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
@@ -166,6 +167,50 @@ def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, st
     return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
+_MXFP4_CHUNK = 1 << 20  # blocks quantized at a time (bounds the temporaries for a multi-GB expert tensor)
+
+
+def quantize_mxfp4(w: np.ndarray) -> np.ndarray:
+    """Float weights [..., cols] (cols a multiple of 32) as MXFP4 blocks, bytes [..., cols / 32 * 17], made as
+    llama.cpp's quantize_row_mxfp4_ref makes them: per 32 weights the e8m0 scale byte e = floor(log2(amax)) + 125
+    (float32 log2; 0 for a block of zeros, clamped to 0..254), then each weight's nearest value in the doubled e2m1
+    table (dequant.E2M1X2) times 2^(e - 128), a tie to the smaller magnitude and zero as code 0 (ggml's first best
+    index), in the nibble order of Q4_0 (element j low nibble of byte j, element j + 16 its high nibble)."""
+    import torch
+
+    from pagedllm.quantization.dequant import E2M1X2, e8m0_half
+
+    # The code of a weight x with |x| / scale = a, by k = min(ceil(2a), top) + (top + 1 if x < 0): the doubled
+    # midpoints between the magnitudes 0, 1, 2, 3, 4, 6, 8, 12 are integers (1, 3, ..., 20 = top - 1), so the
+    # code's magnitude is the number of them below k (a midpoint itself rounds down); a negative weight's code is
+    # 8 + its magnitude's, but 0 for zero.
+    midpoints = np.add(E2M1X2[:7], E2M1X2[1:8])
+    top = int(midpoints[-1]) + 1
+    magnitude = np.searchsorted(midpoints, np.arange(top + 1), side="left")
+    code = np.concatenate([magnitude, np.where(magnitude > 0, magnitude + 8, 0)]).astype(np.uint8)
+    x = np.asarray(w, dtype=np.float32)
+    if x.shape[-1] % 32:
+        raise ValueError(f"MXFP4 needs rows of whole 32-element blocks, got {x.shape[-1]}")
+    blocks = x.reshape(-1, 32)
+    out = np.empty((blocks.shape[0], 17), np.uint8)
+    for b0 in range(0, blocks.shape[0], _MXFP4_CHUNK):
+        xb = blocks[b0:b0 + _MXFP4_CHUNK]
+        a = np.abs(xb)
+        amax = a.max(axis=1)
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.floor(np.log2(amax)) + 125, 0)
+        e = np.clip(e, 0, 254).astype(np.uint8)  # (C's cast is undefined past uint8: amax below 2^-125)
+        half_scale = e8m0_half(torch.from_numpy(e)).numpy() / 2  # exact, a subnormal at worst
+        # 2|x| / d is exact (d is a power of two), and so are ggml's error comparisons near each midpoint
+        np.ceil(np.divide(a, half_scale[:, None], out=a), out=a)
+        k = np.minimum(a, top, out=a).astype(np.uint8)
+        k += (xb < 0).view(np.uint8) * np.uint8(top + 1)
+        codes = code[k]
+        out[b0:b0 + _MXFP4_CHUNK, 0] = e
+        out[b0:b0 + _MXFP4_CHUNK, 1:] = codes[:, :16] | codes[:, 16:] << 4
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 17)
+
+
 def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
     """Random weights [rows, cols] in the stored form of `qtype` (numpy array for GGUFWriter.add_tensor)."""
     import gguf
@@ -177,6 +222,8 @@ def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: f
         return w
     if qtype == "F16":
         return w.astype(np.float16)
+    if qtype == "MXFP4":
+        return quantize_mxfp4(w)
     return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
 
 

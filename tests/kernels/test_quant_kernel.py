@@ -159,6 +159,22 @@ def test_only_whole_groups_are_packed():
         _weight("Q4_0", 32, 256, seed=6, packed=True).rows(torch.tensor([1]))
 
 
+def _mxfp4_every_scale(rows: int, cols: int, seed: int, top: int) -> QuantTensor:
+    """MXFP4 blocks of random codes whose scale bytes cover 0..top (0 and 1: subnormal scales), each row a band of
+    neighbouring ones, so that no row's products swamp its small scales with large ones."""
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, cols // 32, 17), dtype=np.uint8)
+    band = -(-(top + 1) // rows)
+    blocks[..., 0] = np.minimum(np.arange(rows)[:, None] * band + np.arange(cols // 32) % band, top)
+    return QuantTensor(torch.from_numpy(blocks.reshape(rows, -1)), type_id("MXFP4"), cols)
+
+
+def test_mxfp4_packed_rows_hold_every_scale():
+    """The packed form decodes each e8m0 scale as the file does (subnormal ones included): the same weights (to
+    2^(252 - 128): past it the largest codes overflow)."""
+    w = _mxfp4_every_scale(32, _cols("MXFP4"), fresh_seed(), top=252)
+    assert torch.equal(w.packed().dequantize(), w.dequantize())
+
+
 _PORTABLE_SIDE = """
 import sys, torch
 from pagedllm.quantization.tensor import QuantTensor
@@ -185,12 +201,17 @@ def test_the_portable_build_computes_the_same_bits(tmp_path):
         x = torch.randn(9, w.shape[1], generator=gen)  # 9 rows: one full 8-row tile and a 1-row tail
         case[qtype] = (w.data, w.qtype, w.shape[1], x)
         ours[qtype] = w.packed().matmul(x)
+    # MXFP4 scales 2^-128..2^63: the vector paths decode the e8m0 bytes themselves, subnormal ones included
+    w = _mxfp4_every_scale(32, _cols("MXFP4"), seed, top=191)
+    x = torch.randn(9, w.shape[1], generator=gen)
+    case["MXFP4 every scale"] = (w.data, w.qtype, w.shape[1], x)
+    ours["MXFP4 every scale"] = w.packed().matmul(x)
     torch.save(case, tmp_path / "case.pt")
     env = {**os.environ, VARIANT_ENV: "portable"}
     subprocess.run([sys.executable, "-c", _PORTABLE_SIDE, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True, timeout=1800)
     theirs = torch.load(tmp_path / "out.pt")
-    differ = [t for t in TYPES if not torch.equal(ours[t], theirs[t])]
+    differ = [t for t in case if not torch.equal(ours[t], theirs[t])]
     assert not differ, f"seed {seed}: the portable build differs on {differ}"
 
 

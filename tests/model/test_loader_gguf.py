@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from hf_to_gguf import paged_logits
-from tiny_models import hf_model_from_gguf
+from tiny_models import fresh_seed, hf_model_from_gguf
 
 from pagedllm.kernels import kernel_mode
 from pagedllm.model import UnsupportedModelError, load_model
@@ -70,7 +70,7 @@ def write_gguf(path: str, arch: str, types: dict[str, Q], seed: int = 0) -> None
             w.add_tensor(name, _kquant_bytes(rng, *arr.shape, qt), raw_dtype=qt)
         elif qt == Q.F32:
             w.add_tensor(name, arr)
-        elif qt == Q.MXFP4:  # a type we do not support: random blocks are enough to get rejected
+        elif qt == Q.Q8_1:  # a type we do not support: random blocks are enough to get rejected
             blk, nbytes = gguf.GGML_QUANT_SIZES[qt]
             raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // blk * nbytes), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qt)
@@ -167,6 +167,35 @@ def test_dequant_matches_gguf_package():
         np.testing.assert_array_equal(got, ref)
 
 
+def test_mxfp4_dequant_matches_gguf_package():
+    """Our torch MXFP4 against the gguf package's numpy port of ggml's, bit for bit, over every scale byte but NaN's
+    255 (2^(e - 128): subnormal below 2; from 253 the largest codes overflow to inf in both)."""
+    from pagedllm.quantization.dequant import dequantize
+
+    blocks = np.random.default_rng(fresh_seed()).integers(0, 256, (8 * 255, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(blocks.shape[0]) % 255
+    with np.errstate(over="ignore"):
+        ref = gguf.quants.dequantize(blocks.reshape(-1), Q.MXFP4)
+    np.testing.assert_array_equal(dequantize(blocks.reshape(-1), "MXFP4", (8, 255 * 32)).numpy(), ref.reshape(8, -1))
+
+
+def test_mxfp4_writer_quantizes_as_llama_cpp():
+    """quantize_mxfp4 (the bench lab's writer) makes the blocks of ggml's quantize_row_mxfp4_ref, as the gguf
+    package's port of it makes them: byte for byte, over block scales 2^-20..2^20, zeros and exact ties between two
+    codes (which go to the smaller magnitude; -0.0 and tiny negatives to code 0)."""
+    from pagedllm.testing.gguf_writer import quantize_mxfp4
+
+    rng = np.random.default_rng(fresh_seed())
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    x *= np.exp2(rng.integers(-20, 21, (64, 32))).astype(np.float32).repeat(32, axis=1)
+    x[0, :64] = np.arange(-32, 32) * 0.25  # scales 1 and 0.5: every midpoint between two codes is hit
+    x[1, :32], x[1, 32:64] = 0.0, -0.0
+    x[1, 64:96] = -1e-3 * np.arange(32)
+    ref = gguf.quants.quantize(x, Q.MXFP4)
+    np.testing.assert_array_equal(quantize_mxfp4(x), ref)
+    np.testing.assert_array_equal(quantize_mxfp4(x.reshape(2, 32, 1024)), ref.reshape(2, 32, -1))
+
+
 def test_directory_with_one_gguf(tmp_path):
     write_gguf(str(tmp_path / "m.gguf"), "qwen2", TYPE_SETS["q32"])
     loaded = load_model(str(tmp_path), attention_backend="reference", load_tokenizer=False)
@@ -215,9 +244,33 @@ def test_unsupported_architecture(tmp_path):
 
 def test_unsupported_quant_type(tmp_path):
     p = tmp_path / "m.gguf"
-    write_gguf(str(p), "llama", {**TYPE_SETS["q32"], "down": Q.MXFP4})
-    with pytest.raises(UnsupportedModelError, match="MXFP4.*supported: F32"):
+    write_gguf(str(p), "llama", {**TYPE_SETS["q32"], "down": Q.Q8_1})
+    with pytest.raises(UnsupportedModelError, match="Q8_1.*supported: F32"):
         load_model(str(p), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "none"])
+def test_mxfp4_nan_scale_is_refused_at_load(tmp_path, quantization):
+    """An MXFP4 block whose e8m0 scale byte is 255 (NaN) fails the load with the tensor's name, whether its blocks
+    would be packed for the kernels or dequantized: here the last block of a stacked expert tensor."""
+    from pagedllm.model.gguf_reader import read_gguf
+    from pagedllm.quantization.tensor import kernel_available
+    from pagedllm.testing.gguf_writer import tiny_shape, write_random_gguf
+
+    if quantization == "gguf" and not kernel_available():
+        pytest.skip("the C++ kernels could not be built")
+    path, name = str(tmp_path / "m.gguf"), "blk.1.ffn_down_exps.weight"
+    shape = tiny_shape("qwen3moe", experts=4, experts_used=2, expert_ffn=128, qk_norm=True)
+    write_random_gguf(path, shape, "MXFP4", tokenizer_from=None)
+    f = read_gguf(path)
+    info, blocks = f.tensors[name], f.tensors[name].nbytes // 17
+    assert info.ggml_type == Q.MXFP4
+    f.close()
+    with open(path, "r+b") as fh:
+        fh.seek(info.offset + 17 * (blocks - 1))
+        fh.write(b"\xff")
+    with pytest.raises(InvalidModelError, match=f"tensor '{name}'.*MXFP4 block {blocks - 1} of {blocks}: .*NaN"):
+        load_model(path, attention_backend="reference", load_tokenizer=False, quantization=quantization)
 
 
 def test_token_id_check(tmp_path):

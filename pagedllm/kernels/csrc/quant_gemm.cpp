@@ -31,6 +31,7 @@ inline float field_value(Field f, uint16_t raw) {
     case Field::kU8:
     case Field::kLo4:
     case Field::kHi4: return static_cast<float>(raw);  // decode gives each nibble on its own
+    case Field::kE8M0Half: return e8m0_half(static_cast<uint8_t>(raw));
     default: return static_cast<float>(static_cast<int8_t>(raw));
   }
 }

@@ -190,6 +190,7 @@ inline float field_at(Field f, const uint8_t* at, int64_t i) {
     case Field::kU8: return static_cast<float>(at[i]);
     case Field::kLo4: return static_cast<float>(at[i] & 15);
     case Field::kHi4: return static_cast<float>(at[i] >> 4);
+    case Field::kE8M0Half: return e8m0_half(at[i]);
     default: return static_cast<float>(static_cast<int8_t>(at[i]));
   }
 }
@@ -302,6 +303,13 @@ inline __m512 field16(Field f, const uint8_t* p) {
       return _mm512_cvtepi32_ps(f == Field::kLo4 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15))
                                                  : _mm512_srli_epi32(bytes, 4));
     }
+    case Field::kE8M0Half: {  // e8m0_half: (e - 1) << 23, or a subnormal 0x00200000 << e below e = 2
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+      const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+      return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal,
+                                                         subnormal));
+    }
     default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 }
@@ -347,7 +355,7 @@ inline void load_codes(const uint8_t* blk, __m512i* c) {
         // c | (at4 & 0x30): bits 2t, 2t + 1 of each byte moved to bits 4, 5
         for (int t = 0; t < 4; ++t) c[4 * v + t] = _mm512_ternarylogic_epi32(c[4 * v + t], at4[t], bits45, 0xF8);
       }
-    } else if constexpr (C == Codes::kNL4) {
+    } else if constexpr (kTableCodes<C>) {
       alignas(16) int8_t lut[16];
       for (int i = 0; i < 16; ++i) lut[i] = static_cast<int8_t>(operand<C>(i));
       const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lut)));
@@ -518,8 +526,8 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
 #elif PL_INT8_AVX2
 // AVX2 without VNNI: the same arithmetic, a group as two halves of 8 rows (one __m256 lane per row), the int8 dot as
 // vpmaddubsw (u8 x s8, adjacent pairs summed to s16) then vpmaddwd (pairs of s16 to s32). The pair sums are exact
-// for operands below 129: every type but Q8_0 and IQ4_NL, whose operands (up to 255) are taken as the signed
-// operand - 128 against the activations with its signs (|w| <= 128): the same integer as operand x a - 128 x a,
+// for operands below 129: every type but Q8_0 and IQ4_NL / IQ4_XS, whose operands (up to 255) are taken as the
+// signed operand - 128 against the activations with its signs (|w| <= 128): the same integer as operand x a - 128 x a,
 // which the other paths get by starting the chain at -128 x (codes' sum).
 
 constexpr int64_t kHalfRows = 8;
@@ -537,6 +545,12 @@ inline __m256 field8(Field f, const uint8_t* p, int h) {
       const __m256i bytes = _mm256_cvtepu8_epi32(raw);
       return _mm256_cvtepi32_ps(f == Field::kLo4 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15))
                                                  : _mm256_srli_epi32(bytes, 4));
+    }
+    case Field::kE8M0Half: {  // e8m0_half: (e - 1) << 23, or a subnormal 0x00200000 << e below e = 2
+      const __m256i e = _mm256_cvtepu8_epi32(raw);
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
     }
     default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
   }
@@ -595,7 +609,7 @@ inline void load_codes(const uint8_t* blk, int h, __m256i* c) {
                                 _mm256_srli_epi16(top, 2)};
         for (int t = 0; t < 4; ++t) c[4 * v + t] = _mm256_or_si256(c[4 * v + t], _mm256_and_si256(at4[t], bits45));
       }
-    } else if constexpr (C == Codes::kNL4) {
+    } else if constexpr (kTableCodes<C>) {
       alignas(16) int8_t lut[16];
       for (int i = 0; i < 16; ++i) lut[i] = static_cast<int8_t>(operand<C>(i));
       const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(lut)));
@@ -604,7 +618,8 @@ inline void load_codes(const uint8_t* blk, int h, __m256i* c) {
   }
 }
 
-// Operands above 127 (Q8_0, IQ4_NL): the dot runs on operand - 128 with its signs moved onto the activations.
+// Operands above 127 (Q8_0, IQ4_NL, IQ4_XS; not MXFP4's, at most 24): the dot runs on operand - 128 with its signs
+// moved onto the activations.
 template <Codes C>
 constexpr bool kSignedDot = C == Codes::k8 || C == Codes::kNL4;
 
@@ -614,7 +629,7 @@ inline void block_dots(const __m256i* c, const __m256* ws, const __m256* wo, con
                        __m256* acc) {
   constexpr bool kSigned = kSignedDot<T::kCodes>;
   // vpmaddubsw results summed in 16 bits before widening, as many as stay below 2^15 with activations of |a| <= 127:
-  // each is at most 2 x 127 x the largest operand (128 signed, 63 for 6-bit codes, 31 for up to 5 bits)
+  // each is at most 2 x 127 x the largest operand (128 signed, 63 for 6-bit codes, 31 for up to 5 bits, 24 for MXFP4)
   constexpr int kSteps16 = kSigned ? 1 : T::kCodes == Codes::k6 ? 2 : 4;
   __m256i u[8], sign[8];  // the unsigned operands; (kSigned) the signs they were taken from
   for (int s = 0; s < 8; ++s) {

@@ -6,7 +6,7 @@
 //   kBlock, kBytes        the file's block: elements and bytes
 //   kCodes                how the packed form stores a weight's code (Codes below)
 //   kHead, kPer32         the scale fields of each block (kHead: once per file block; kPer32: per 32 elements),
-//                         as raw fp16 bits, bytes or nibbles (Field)
+//                         as raw fp16 bits, bytes or nibbles (Field, which also says how a raw field reads as a float)
 //   kHalves               scale groups per 32 elements: 1, or 2 where the type scales each 16 (Q2_K, Q3_K, Q6_K)
 //   kHasMin, kZero        the offset: a float one per block or half (kHasMin: weight = ws * operand + wo), or the
 //                         operand's fixed zero (weight = ws * (operand - kZero), so wo = -kZero * ws)
@@ -28,7 +28,7 @@ namespace pagedllm {
 // ggml type ids (the GGUF file's).
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
 
 // How a code is stored in the packed form, and what the int8 dot's unsigned operand is.
@@ -40,22 +40,43 @@ enum class Codes {
   k6,    // 4 bits + two bits in a separate plane
   k8,    // a byte
   kNL4,  // a 4-bit index into kNonLinear4 (operand = kNonLinear4[code] + 128)
+  kMX4,  // a 4-bit index into kE2M1x2 (operand = kE2M1x2[code] + 12)
 };
 
 // kLo4 / kHi4: two 4-bit fields in one byte, the low nibble's field listed first and the high one right after it
-// (the high one takes no bytes of its own).
-enum class Field : uint8_t { kF16, kU8, kS8, kLo4, kHi4 };
+// (the high one takes no bytes of its own). kE8M0Half: an e8m0 exponent byte e, read as half its power of two,
+// 2^(e - 128) (e8m0_half), the scale of MXFP4's doubled codes.
+enum class Field : uint8_t { kF16, kU8, kS8, kLo4, kHi4, kE8M0Half };
 
 constexpr int64_t field_bytes(Field f) { return f == Field::kF16 ? 2 : f == Field::kHi4 ? 0 : 1; }
 
-// IQ4_NL / IQ4_XS: the 16 weight values a 4-bit index selects (before the block scale).
+// The 16 weight values a 4-bit index selects (before the block scale), and the zero the dot's unsigned operand
+// is taken from (operand = value + zero). IQ4_NL / IQ4_XS:
 constexpr int8_t kNonLinear4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4: the e2m1 values doubled, so that they are integers (the scale is halved to match: Field::kE8M0Half).
+// Operands up to 24, below 128: the AVX2 path's unsigned dot takes them as they are.
+constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+template <Codes C>
+constexpr bool kTableCodes = C == Codes::kNL4 || C == Codes::kMX4;
+template <Codes C>
+constexpr int kTableZero = C == Codes::kNL4 ? 128 : 12;
 
 // The dot's unsigned operand for a stored code.
 template <Codes C>
 inline int operand(int code) {
-  if constexpr (C == Codes::kNL4) return kNonLinear4[code] + 128;
+  if constexpr (C == Codes::kNL4) return kNonLinear4[code] + kTableZero<C>;
+  if constexpr (C == Codes::kMX4) return kE2M1x2[code] + kTableZero<C>;
   return code;
+}
+
+// An e8m0 byte e as 2^(e - 128) exactly: a subnormal below e = 2 (ggml's e8m0_to_fp32_half). e = 255 is NaN, which
+// the loader refuses (quantization/dequant.py), so it never reaches a kernel.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // The fp16 value stored (unaligned) at p.
@@ -131,15 +152,15 @@ inline void k_nibbles(const uint8_t* qs, uint8_t* codes) {
 template <int64_t T>
 struct Traits;
 
-// 32-element blocks with an fp16 scale d: weight = d * (operand - Zero).
-template <int Zero>
+// 32-element blocks with one scale d (fp16, or the field `Scale`): weight = d * (operand - Zero).
+template <int Zero, Field Scale = Field::kF16>
 struct Scale32 {
   static constexpr int64_t kBlock = 32, kHalves = 1;
   static constexpr bool kHasMin = false;
   static constexpr int kZero = Zero;
   static constexpr Field kHead[] = {Field::kF16};  // unused (kNumHead = 0): an array cannot be empty
   static constexpr int kNumHead = 0;
-  static constexpr Field kPer32[] = {Field::kF16};
+  static constexpr Field kPer32[] = {Scale};
   template <class V>
   static void scales(const V*, const V* f, V* ws, V* wo) { ws[0] = f[0], wo[0] = f[0] * static_cast<float>(-Zero); }
 };
@@ -214,15 +235,22 @@ struct Traits<kQ8_0> : Scale32<128> {
   }
 };
 
-template <>
-struct Traits<kIQ4_NL> : Scale32<128> {  // operands kNonLinear4[code] + 128
-  static constexpr int64_t kBytes = 18;
-  static constexpr Codes kCodes = Codes::kNL4;
+// IQ4_NL and MXFP4: a scale field, then 16 bytes of 4-bit indices into the codes' table (Q4_0's nibble order).
+template <Codes C, Field Scale>
+struct Table4 : Scale32<kTableZero<C>, Scale> {
+  static constexpr int64_t kScaleBytes = field_bytes(Scale), kBytes = kScaleBytes + 16;
+  static constexpr Codes kCodes = C;
   static void decode(const uint8_t* b, uint8_t* codes, uint16_t*, uint16_t* per32) {
-    per32[0] = u16_at(b);
-    nibbles32(b + 2, codes);
+    per32[0] = kScaleBytes == 2 ? u16_at(b) : b[0];
+    nibbles32(b + kScaleBytes, codes);
   }
 };
+
+template <>
+struct Traits<kIQ4_NL> : Table4<Codes::kNL4, Field::kF16> {};
+
+template <>
+struct Traits<kMXFP4> : Table4<Codes::kMX4, Field::kE8M0Half> {};
 
 // Q4_K / Q5_K: d, dmin per 256; a 6-bit scale and min per 32 (weight = d * scale * q - dmin * min).
 struct KScaleMin {
@@ -365,7 +393,7 @@ template <>
 struct Traits<kIQ4_XS> {
   static constexpr int64_t kBlock = 256, kBytes = 136, kHalves = 1;
   static constexpr bool kHasMin = false;
-  static constexpr int kZero = 128;
+  static constexpr int kZero = kTableZero<Codes::kNL4>;
   static constexpr Codes kCodes = Codes::kNL4;
   static constexpr Field kHead[] = {Field::kF16};  // d
   static constexpr int kNumHead = 1;
@@ -387,7 +415,7 @@ struct Traits<kIQ4_XS> {
 template <int64_t... Ts>
 struct TypeList {};
 using QuantTypes = TypeList<kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL,
-                            kIQ4_XS>;
+                            kIQ4_XS, kMXFP4>;
 
 template <int64_t T>
 struct TypeTag {
