@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.model.config import ModelConfig, config_from_hf
-from pagedllm.model.errors import InvalidModelError
+from pagedllm.model.errors import InvalidModelError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,19 @@ def read_hf_config(model_dir: str) -> tuple[ModelConfig, dict]:
         raise e.with_path(cfg_path) from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field of the wrong kind
         raise InvalidModelError(f"unreadable config: {type(e).__name__}: {e}", path=cfg_path) from e
+
+
+STORED_QUANTIZATION = ("mxfp4",)  # config.json quant_method values whose blocks pagedllm reads (gpt-oss's experts)
+
+
+def stored_quantization(raw: dict, path: str) -> str | None:
+    """The checkpoint's quantization_config.quant_method: None for float weights, "mxfp4" for OpenAI's gpt-oss;
+    UnsupportedModelError for any other (GPTQ, AWQ, bitsandbytes, ...)."""
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in STORED_QUANTIZATION:
+        raise UnsupportedModelError(f"quantization_config.quant_method {method!r} is not supported; supported: "
+                                    f"{', '.join(STORED_QUANTIZATION)} (or float weights)", path=path)
+    return method
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -155,12 +155,15 @@ def _load_hf(path: str, dtype: str | torch.dtype, attention_backend: str, load_t
              quantization: str) -> LoadedModel:
     from pagedllm.model import hf_loader
 
-    cfg, _ = hf_loader.read_hf_config(path)
-    tdtype = resolve_dtype(dtype, quantized=quantization == "int8")
+    cfg, raw = hf_loader.read_hf_config(path)
     spec = registry.spec(cfg.architecture)
-    method = _quantized_method(quantize_floats=True) if quantization == "int8" else None
+    # a checkpoint in blocks (gpt-oss's MXFP4 experts) runs as stored unless told "none"
+    blocks = hf_loader.stored_quantization(raw, path) is not None and quantization != "none"
+    method = (_quantized_method(quantize_floats=quantization == "int8") if quantization == "int8" or blocks
+              else None)
+    tdtype = resolve_dtype(dtype, quantized=method is not None)
     tok = hf_loader.load_hf_tokenizer(path) if load_tokenizer else None  # first: see _load_gguf
-    weights = spec.adapt_hf_weights(hf_loader.iter_hf_weights(path))
+    weights = spec.adapt_hf_weights(hf_loader.iter_hf_weights(path), as_stored=method is not None)
     model = _build(cfg, tdtype, weights, spec.hf_names, attention_backend, method, path)
     _fill_eos_from_tokenizer(cfg, tok)
     return LoadedModel(model, cfg, tok, os.path.basename(os.path.normpath(path)), cfg.eos_token_ids, tdtype, path)

@@ -58,11 +58,12 @@ class ArchSpec:
     swiglu_clamp: tuple[float, float] | None = None  # the experts' SwiGLU (limit, alpha) where a file omits them
     hf_adapter: str | None = None  # "module:function" rewriting the safetensors tensors into hf_names' form
 
-    def adapt_hf_weights(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    def adapt_hf_weights(self, weights: Iterable[tuple[str, Any]], as_stored: bool) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's tensors as hf_names reads them (as_stored: blocks stay blocks)."""
         if self.hf_adapter is None:
             return weights
         module, fn = self.hf_adapter.split(":")
-        return getattr(importlib.import_module(module), fn)(weights)
+        return getattr(importlib.import_module(module), fn)(weights, as_stored)
 
     def model_cls(self) -> type:
         module, cls = self.model_class.split(":")

@@ -14,7 +14,9 @@ Q3_K_M, Q4_K_M and Q5_K_M are typed tensor by tensor as llama.cpp's llama-quanti
   the other attn_v, ffn_down and every attn_output, Q3_K elsewhere;
 - both with llama-quantize's fallbacks where rows are not whole 256-blocks (Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K ->
   Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; an output head -> Q8_0).
-A single-type file (MXFP4 too) is typed as `llama-quantize --pure` would (every matrix, fallbacks aside).
+A single-type file (MXFP4 too) is typed as `llama-quantize --pure` would (every matrix, fallbacks aside). MXFP4_MOE
+is llama-quantize's type of gpt-oss's files: experts MXFP4, every other matrix Q8_0. Large MXFP4 tensors are written
+as random well-formed blocks (quantizing takes ~70 ns a weight: 20 minutes for gpt-oss-20b's experts).
 The vocabulary of a shape (151,936 for Qwen2.5) pads the embedded tokenizer's with unused tokens: a real prompt
 never samples them, but every decode step reads their rows of the output head.
 """
@@ -28,14 +30,15 @@ import numpy as np
 from pagedllm.quantization.types import BY_NAME, FLOAT_TYPES
 
 FILE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-              "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K_M", "Q4_K_M", "Q5_K_M")
+              "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K_M", "Q4_K_M", "Q5_K_M", "MXFP4_MOE")
 # types gguf.quants has no quantizer for: written as random well-formed blocks
 RANDOM_BLOCK_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+RANDOM_MXFP4_MIN = 1 << 22  # MXFP4 tensors of this many weights or more: random blocks (quantizing takes ~70 ns each)
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    arch: str  # GGUF architecture: llama | qwen2 | qwen3moe | phi3 | granite | smollm3
+    arch: str  # GGUF architecture: llama | qwen2 | qwen3moe | phi3 | granite | smollm3 | gpt-oss
     layers: int
     hidden: int
     ffn: int
@@ -54,6 +57,8 @@ class ModelShape:
     rotary_dim: int = 0  # the dims of each head RoPE rotates (Phi-4-mini: 96 of 128); 0: all
     # Granite's (embedding, residual, attention, logit) multipliers
     multipliers: tuple[float, float, float, float] | None = None
+    sliding_window: int = 0  # gpt-oss: every other layer (the even ones) attends to this many tokens
+    yarn: tuple[float, int] | None = None  # YaRN's (factor, original context)
 
     @property
     def fused(self) -> bool:
@@ -84,6 +89,10 @@ SHAPES = {
                                  context=131072, multipliers=(12.0, 0.22, 0.015625, 8.0)),
     "smollm3-3b": ModelShape("smollm3", 36, 2048, 11008, 16, 4, 128, vocab=128256, tied=True, rope_theta=5e6,
                              eps=1e-6, context=65536),
+    # gpt-oss: attention and expert biases, sinks, windows of 128 on every other layer, YaRN
+    "gpt-oss-20b": ModelShape("gpt-oss", 24, 2880, 2880, 64, 8, 64, vocab=201088, rope_theta=150000.0,
+                              context=131072, experts=32, experts_used=4, expert_ffn=2880, sliding_window=128,
+                              yarn=(32.0, 4096)),
     "mixtral-8x7b": ModelShape("llama", 32, 4096, 14336, 32, 8, 128, vocab=32000, rope_theta=1e6,
                                context=32768, experts=8, experts_used=2, expert_ffn=14336),
 }
@@ -94,6 +103,7 @@ LONGROPE_ORIGINAL = 4096  # a Phi-3 shape longer than this has LongRoPE factors 
 # llama-quantize's fallbacks for rows that are not whole blocks of the chosen type
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 MIXES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mixed file types and their default tensor type
+# llama-quantize's MXFP4_MOE (gpt-oss's files): experts MXFP4, every other matrix Q8_0
 
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
@@ -107,6 +117,8 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
     of `file_type`, as llama-quantize decides it (norms, biases and routers are always F32)."""
     if name == "ffn_gate_inp":
         return "F32"
+    if file_type == "MXFP4_MOE":
+        return "MXFP4" if name.endswith("_exps") else ("Q8_0" if cols % 32 == 0 else "F16")
     t = MIXES.get(file_type, file_type)
     down = name in ("ffn_down", "ffn_down_exps")
     if file_type in MIXES and (name == "output" or (tied and name == "token_embd")):
@@ -129,7 +141,11 @@ def tensor_type(file_type: str, name: str, layer: int, num_layers: int, cols: in
 
 
 def random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
-    """Well-formed random blocks of a type gguf cannot quantize to, as bytes [rows, row bytes]."""
+    """Well-formed random blocks of a type gguf cannot quantize to (or too slowly), as bytes [rows, row bytes]."""
+    if qtype == "MXFP4":  # e8m0 scale byte, 16 bytes of e2m1 codes (uniform codes: rms 2.93 times the scale)
+        nb = rows * cols // 32
+        e = np.full((nb, 1), int(np.round(np.log2(std / 2.93))) + 127, np.uint8)
+        return np.concatenate([e, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(rows, -1)
     if qtype == "IQ4_NL":  # fp16 d, 16 bytes of 4-bit indices into a table of spread ~65
         nb = rows * cols // 32
         d = np.full((nb, 1), std / 65, np.float16)
@@ -215,7 +231,7 @@ def quantized(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: f
     """Random weights [rows, cols] in the stored form of `qtype` (numpy array for GGUFWriter.add_tensor)."""
     import gguf
 
-    if qtype in RANDOM_BLOCK_TYPES:
+    if qtype in RANDOM_BLOCK_TYPES or (qtype == "MXFP4" and rows * cols >= RANDOM_MXFP4_MIN):
         return random_kquant(rng, rows, cols, qtype, std)
     w = (rng.standard_normal((rows, cols), dtype=np.float32) * std)
     if qtype == "F32":
@@ -284,9 +300,15 @@ def _plan(s: ModelShape, file_type: str) -> list[_Planned]:
             plan.append(matrix(f"{p}{name}.weight", rows, cols, layer=i))
         if s.qk_norm:
             plan += [_Planned(f"{p}attn_{x}_norm.weight", (s.head_dim,), "F32") for x in "qk"]
-        if s.arch == "qwen2":
+        if s.arch in ("qwen2", "gpt-oss"):
             plan += [_Planned(f"{p}{name}.bias", (n,), "F32") for name, n in (("attn_q", q), ("attn_k", kv),
                                                                               ("attn_v", kv))]
+        if s.arch == "gpt-oss":
+            plan += [_Planned(f"{p}attn_output.bias", (s.hidden,), "F32"),
+                     _Planned(f"{p}attn_sinks.weight", (s.heads,), "F32"),
+                     _Planned(f"{p}ffn_gate_inp.bias", (s.experts,), "F32")]
+            plan += [_Planned(f"{p}ffn_{x}_exps.bias", (s.experts, n), "F32")
+                     for x, n in (("gate", s.expert_ffn), ("up", s.expert_ffn), ("down", s.hidden))]
         if s.experts:
             e, f = s.experts, s.expert_ffn
             plan += [matrix(f"{p}ffn_gate_inp.weight", e, s.hidden), matrix(f"{p}ffn_gate_exps.weight", e, f, s.hidden,
@@ -299,7 +321,8 @@ def _plan(s: ModelShape, file_type: str) -> list[_Planned]:
             plan += [matrix(f"{p}ffn_gate.weight", s.ffn, s.hidden, layer=i),
                      matrix(f"{p}ffn_up.weight", s.ffn, s.hidden, layer=i),
                      matrix(f"{p}ffn_down.weight", s.hidden, s.ffn, layer=i)]
-        plan.append(_Planned(p + "ffn_norm.weight", (s.hidden,), "F32"))
+        norm = "post_attention_norm" if s.arch == "gpt-oss" else "ffn_norm"  # (llama.cpp's name for gpt-oss's)
+        plan.append(_Planned(f"{p}{norm}.weight", (s.hidden,), "F32"))
     plan.append(_Planned("output_norm.weight", (s.hidden,), "F32"))
     if s.fused and s.context > LONGROPE_ORIGINAL:  # Phi-3's LongRoPE factors, one per rotated pair
         pairs = (s.rotary_dim or s.head_dim) // 2
@@ -358,6 +381,12 @@ def write_random_gguf(path: str, shape: ModelShape, file_type: str, seed: int = 
         for key, value in zip(("embedding_scale", "residual_scale", "attention.scale", "logit_scale"),
                               s.multipliers, strict=True):
             w.add_float32(f"{s.arch}.{key}", value)
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
+    if s.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(s.yarn[1])
     if s.experts:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.experts_used)

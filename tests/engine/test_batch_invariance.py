@@ -56,6 +56,9 @@ PATHS = [
     # the hybrid KV manager, router and expert biases
     ExecPath("gpt-oss", torch.float32, torch.float32, engine={"model": "tiny-gpt-oss"}),
     ExecPath("gpt-oss-bf16", torch.bfloat16, torch.bfloat16, engine={"model": "tiny-gpt-oss"}),
+    # ... and as llama.cpp's gpt-oss files are (MXFP4 experts, Q8_0 elsewhere), run as stored
+    ExecPath("gpt-oss-mxfp4", torch.float32, torch.float32,
+             engine={"model": "tiny-gpt-oss-gguf", "quantization": "gguf"}),
 ]
 
 
@@ -279,6 +282,18 @@ def tiny_gpt_oss(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("gpt-oss"), "gpt_oss", seed=3, tokenizer=tokenizer))
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_gguf(tmp_path_factory) -> str:
+    """A random gpt-oss-shaped GGUF (MXFP4_MOE: 4 experts of which 2 per token, windows of 16, YaRN)."""
+    from pagedllm.testing.gguf_writer import tiny_shape, write_random_gguf
+
+    path = str(tmp_path_factory.mktemp("gpt-oss-gguf") / "tiny-gpt-oss.gguf")
+    shape = tiny_shape("gpt-oss", experts=4, experts_used=2, expert_ffn=256, sliding_window=16, yarn=(4.0, 256),
+                       layers=2, vocab=49152)
+    write_random_gguf(path, shape, "MXFP4_MOE", seed=5, std=0.1)
+    return path
+
+
 @pytest.fixture(scope="module", params=ENGINE_PATHS, ids=[p.name for p in ENGINE_PATHS])
 def alone(request):
     """(the path's LLM arguments, the requests, each one's outputs run alone on a fresh engine without a prefix
@@ -288,7 +303,7 @@ def alone(request):
     path = request.param
     dtype = "float32" if path.dtype == torch.float32 else "bfloat16"
     engine = dict(path.engine)
-    if engine.get("model") in ("tiny-moe", "tiny-gpt-oss"):
+    if engine.get("model") in ("tiny-moe", "tiny-gpt-oss", "tiny-gpt-oss-gguf"):
         engine["model"] = request.getfixturevalue(engine["model"].replace("-", "_"))
     reqs = _requests(seed=4)  # the same requests on every path (this mix preempts in test_engine_preempted_...)
     outs = []

@@ -122,3 +122,70 @@ def test_bad_yarn_parameters_are_refused(tmp_path, bad, field):
     with pytest.raises(InvalidModelError) as e:
         load_model(str(tmp_path), "float32", load_tokenizer=False, quantization="none")
     assert field.split(".")[-1] in str(e.value)
+
+
+def _hf_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked matrices [E, out, in] as OpenAI's checkpoints store MXFP4: blocks [E, out, in / 32, 16] (element 2j
+    in byte j's low nibble) and scales [E, out, in / 32], quantized as llama.cpp's reference quantizer does."""
+    from pagedllm.testing.gguf_writer import quantize_mxfp4
+
+    e, rows, cols = w.shape
+    ggml = torch.from_numpy(quantize_mxfp4(w.numpy())).reshape(e, rows, cols // 32, 17)
+    codes = torch.cat((ggml[..., 1:] & 0x0F, ggml[..., 1:] >> 4), dim=-1)  # elements 0..31 in order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), ggml[..., 0].contiguous()
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """A tiny gpt-oss saved as OpenAI ships gpt-oss (MXFP4 experts, quantization_config mxfp4), and transformers'
+    model with the experts its own MXFP4 decoder makes of those bytes (the oracle)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = random_hf_model(_gpt_oss_config(swiglu_limit=7.0))
+    path = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    hf.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _hf_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())  # [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        hf.get_parameter(name).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
+    return path, hf
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_openai_mxfp4_checkpoint_matches_transformers(mxfp4_checkpoint, quantization):
+    """OpenAI's safetensors form: the experts' MXFP4 blocks (interleaved gate|up rows) reordered into ggml's
+    blocks and run as stored ("auto", int8 activations: close) or dequantized ("none": transformers' values)."""
+    path, hf = mxfp4_checkpoint
+    ours = load_model(str(path), "float32", attention_backend="reference", load_tokenizer=False,
+                      quantization=quantization)
+    expert = ours.model.layers[0].mlp.experts[0].gate_up
+    assert (quantization == "auto") == (type(expert.method).__name__ == "QuantizedLinearMethod")
+    tokens = [random.Random(3).randrange(128) for _ in range(30)]
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0]
+    got = paged_logits(ours, tokens, [20] + [1] * 10)
+    if quantization == "none":
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    else:  # the activations rounded to int8 per block of 32
+        assert (got - want).abs().max() < 0.05 * want.std()
+
+
+def test_mxfp4_nan_scale_in_a_checkpoint_is_refused(mxfp4_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = mxfp4_checkpoint
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_scales"][2, 5, 1] = 255
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(InvalidModelError, match="down_proj.*255|255.*down_proj"):
+        load_model(str(tmp_path), "float32", load_tokenizer=False, quantization="none")
