@@ -220,8 +220,10 @@ def config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     if scaling and scaling["rope_type"] == "longrope":
         scaling = _longrope(scaling, cfg)
     if scaling and scaling["rope_type"] == "yarn":
-        scaling = yarn_scaling({"original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
-                                **scaling}, int(cfg.get("max_position_embeddings", 2048)))
+        # the original context, where neither the scaling nor the config gives it: the context (as transformers)
+        positions = int(cfg.get("max_position_embeddings", 2048))
+        original = cfg.get("original_max_position_embeddings") or positions
+        scaling = yarn_scaling({"original_max_position_embeddings": original, **scaling}, positions)
     if _rope_scaling(local_rope):
         raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
     if cfg.get("mlp_bias"):

@@ -88,9 +88,12 @@ def test_config_from_hf_variants():
     assert c.rope_local_theta == 1e4 and c.rope_theta == 1e6
     with pytest.raises(UnsupportedModelError, match="softcapping"):
         config_from_hf({**base, "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0})
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+    c = config_from_hf({**base, "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
                         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+    assert c.rope_scaling["original_max_position_embeddings"] == 4096  # as transformers fills it in
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                        "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}})
     with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM"):
         config_from_hf({**base, "architectures": ["FalconForCausalLM"]})
 
