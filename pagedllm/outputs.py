@@ -73,3 +73,8 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None
+
+
+def completions_of(out: RequestOutput | EmbeddingRequestOutput) -> list[CompletionOutput]:
+    """A generation's completions; an embedding has none (it generates no token)."""
+    return out.outputs if isinstance(out, RequestOutput) else []

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request_stream import RequestFailedError
-from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, completions_of
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -124,8 +124,7 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         tokens_in += len(out.prompt_token_ids)
-                        if isinstance(out, RequestOutput):  # (an embedding generates nothing)
-                            tokens_out += sum(len(c.token_ids) for c in out.outputs)
+                        tokens_out += sum(len(c.token_ids) for c in completions_of(out))
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         # as vLLM's bar: tokens of the finished requests over the time so far
                         bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
