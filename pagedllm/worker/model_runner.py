@@ -85,7 +85,7 @@ class ModelRunner:
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
         self.sampler = Sampler(seed)
-        self.pooler = Pooler(pooling) if pooling is not None else None
+        self.pooler = Pooler(pooling, block_size) if pooling is not None else None
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).

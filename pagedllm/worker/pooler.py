@@ -1,5 +1,5 @@
 """Pools prefill-only requests' hidden states into one vector each, across the chunks of a chunked prefill: what
-the pooling needs is kept between steps (a running sum for mean, the first row for CLS), the last token's row
+the pooling needs is kept between steps (sums per KV block for mean, the first row for CLS), the last token's row
 is taken when the prompt's last chunk runs."""
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ def finish_embedding(pooled: torch.Tensor, config: PoolingConfig, params) -> lis
     """Matryoshka truncation to the request's `dimensions`, then L2 normalisation where asked (so a truncated
     vector is re-normalised)."""
     if params.dimensions is not None:
-        if params.dimensions > pooled.numel():
-            raise ValueError(f"dimensions {params.dimensions} is more than the model's {pooled.numel()}")
-        pooled = pooled[:params.dimensions]
+        pooled = pooled[:params.dimensions]  # (the engine checked it against the hidden size)
     normalize = config.normalize if params.normalize is None else params.normalize
     if normalize:
         pooled = F.normalize(pooled, dim=-1)
@@ -26,40 +24,54 @@ def finish_embedding(pooled: torch.Tensor, config: PoolingConfig, params) -> lis
 
 
 class Pooler:
-    def __init__(self, config: PoolingConfig) -> None:
+    def __init__(self, config: PoolingConfig, block_size: int) -> None:
         self.config = config
-        self._partial: dict[str, torch.Tensor] = {}  # request id -> the sum (MEAN) or first row (CLS) so far
+        self.block_size = block_size
+        # MEAN: request id -> ([blocks, H] row sums per KV block, tokens summed so far). Per block, because a
+        # preempted request comes back at a block boundary (its own cached blocks) and recomputes what follows:
+        # the sums from there on are dropped, the ones before are kept.
+        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._first: dict[str, torch.Tensor] = {}  # CLS: request id -> its first row
 
     def __call__(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> list[tuple[Request, torch.Tensor]]:
         """The pooled float32 vector of every prefill-only entry whose prompt this step completes."""
         done: list[tuple[Request, torch.Tensor]] = []
-        start = 0
+        end = 0
         for s in scheduled:
-            rows = hidden[start:start + s.num_new_tokens]
-            start += s.num_new_tokens
+            start, end = end, end + s.num_new_tokens
             req = s.request
             if not req.prefill_only:
                 continue
-            rid = req.request_id
-            if req.num_computed_tokens == 0:  # a fresh start (a preempted request recomputes from zero)
-                self._partial.pop(rid, None)
+            rows = hidden[start:end]
             kind = self.config.pooling_type
             if kind == "MEAN":
-                part = rows.float().sum(0)
-                self._partial[rid] = part if rid not in self._partial else self._partial[rid] + part
+                self._add_rows(req, rows)
             elif kind == "CLS" and req.num_computed_tokens == 0:
-                self._partial[rid] = rows[0].float()
-            if s.samples:  # the prompt's last chunk
-                if kind == "LAST":
-                    vector = rows[-1].float()
-                elif kind == "MEAN":
-                    vector = self._partial.pop(rid) / req.num_prompt_tokens
-                else:
-                    vector = self._partial.pop(rid)
-                done.append((req, vector))
+                self._first[req.request_id] = rows[0].float()
+            if not s.samples:  # not the prompt's last chunk yet
+                continue
+            if kind == "LAST":
+                vector = rows[-1].float()
+            elif kind == "MEAN":
+                vector = self._sums.pop(req.request_id)[0].sum(0) / req.num_prompt_tokens
+            else:
+                vector = self._first.pop(req.request_id)
+            done.append((req, vector))
         return done
+
+    def _add_rows(self, req: Request, rows: torch.Tensor) -> None:
+        first = req.num_computed_tokens
+        sums, seen = self._sums.get(req.request_id, (None, 0))
+        if sums is None:
+            sums = rows.new_zeros(-(-req.num_prompt_tokens // self.block_size), rows.shape[1], dtype=torch.float32)
+        elif first < seen:  # recomputing from a block boundary after a preemption
+            sums[first // self.block_size:] = 0
+        blocks = torch.arange(first, first + len(rows)) // self.block_size
+        sums.index_add_(0, blocks, rows.float())
+        self._sums[req.request_id] = (sums, first + len(rows))
 
     def forget(self, request_ids: list[str]) -> None:
         """Aborted requests' partial state."""
         for rid in request_ids:
-            self._partial.pop(rid, None)
+            self._sums.pop(rid, None)
+            self._first.pop(rid, None)

@@ -133,3 +133,4 @@ def test_sentence_transformers_oracle(qwen3_dir, tmp_path):
     want = st.SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True)
     llm = make_llm(path, runner="pooling")
     _assert_close(llm.embed(texts, use_tqdm=False), list(want))
+

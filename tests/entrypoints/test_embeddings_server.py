@@ -22,7 +22,7 @@ from pagedllm import LLM, PoolingParams  # noqa: E402
 from pagedllm.engine.async_engine import AsyncEngine  # noqa: E402
 from pagedllm.entrypoints.openai.server import build_app  # noqa: E402
 
-MAX_MODEL_LEN = 64
+MAX_MODEL_LEN = 128
 WORDS = "river apple orange cloud silver garden window music yellow market bridge winter forest".split()
 
 
@@ -71,7 +71,7 @@ def offline(server, prompts, params: PoolingParams | None = None) -> list[np.nda
 
 def texts(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8))) for _ in range(n)]
 
 
 def test_float_and_base64_match_the_offline_api(server, client):
