@@ -161,10 +161,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         pooling = isinstance(params, PoolingParams)
-        if pooling != (self.pooling_config is not None):
-            wanted, other = ("embedding", "pooling") if pooling else ("generation", "generate")
-            raise ValueError(f"this server runs the {self.runner_name!r} runner, which does not take {wanted} "
-                             f"requests (start it with runner={other!r}, `--runner {other}`)")
+        self.check_runner(pooling)
         if pooling:
             self._add_pooling_request(request_id, prompt, params, cache_salt, arrival_time, prompt_token_ids,
                                       priority)
@@ -189,6 +186,13 @@ class LLMEngine:
             self._grammar_gate.hold(state.grammar, (state, req))  # built complete; scheduled once compiled
         else:
             self.scheduler.add_request(req)
+
+    def check_runner(self, pooling: bool) -> None:
+        """ValueError naming the loaded runner when the request is for the other one (an engine runs one)."""
+        if pooling != (self.pooling_config is not None):
+            wanted, other = ("embedding", "pooling") if pooling else ("generation", "generate")
+            raise ValueError(f"this engine runs the {self.runner_name!r} runner, which does not take {wanted} "
+                             f"requests (start it with runner={other!r}, `--runner {other}`)")
 
     def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams,
                              cache_salt: str | None, arrival_time: float | None, prompt_token_ids: list[int] | None,

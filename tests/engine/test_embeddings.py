@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm import PoolingParams, SamplingParams
+from pagedllm import BeamSearchParams, PoolingParams, SamplingParams
 from tests.tiny_models import (
     add_sentence_transformers_files,
     assert_no_leaks,
@@ -120,6 +120,8 @@ def test_runner_mismatch_is_refused(qwen3_dir):
     pooling = make_llm(qwen3_dir, runner="pooling")
     with pytest.raises(ValueError, match="'pooling' runner"):
         pooling.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="'pooling' runner"):
+        pooling.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=2))
     generating = make_llm(qwen3_dir)
     with pytest.raises(ValueError, match="'generate' runner"):
         generating.embed(["hello"], use_tqdm=False)
