@@ -7,27 +7,24 @@ import json
 import pytest
 
 from pagedllm.model.pooling_config import PoolingConfig, resolve_pooling_config
-
-
-def _st_dir(tmp_path, pooling: str | None, normalize: bool):
-    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"}]
-    if pooling is not None:
-        modules.append({"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
-        (tmp_path / "1_Pooling").mkdir()
-        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-            {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
-             "pooling_mode_lasttoken": pooling == "last"}))
-    if normalize:
-        modules.append({"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    return str(tmp_path)
+from tests.tiny_models import add_sentence_transformers_files
 
 
 @pytest.mark.parametrize(("pooling", "normalize", "want"), [
-    ("last", True, PoolingConfig("LAST", True)), ("mean", False, PoolingConfig("MEAN", False)),
-    ("cls", True, PoolingConfig("CLS", True)), (None, False, PoolingConfig("LAST", False))])
+    ("lasttoken", True, PoolingConfig("LAST", True)), ("mean_tokens", False, PoolingConfig("MEAN", False)),
+    ("cls_token", True, PoolingConfig("CLS", True)), (None, False, PoolingConfig("LAST", False))])
 def test_sentence_transformers_modules(tmp_path, pooling, normalize, want):
-    assert resolve_pooling_config(_st_dir(tmp_path, pooling, normalize)) == want
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    assert resolve_pooling_config(str(add_sentence_transformers_files(tmp_path, pooling, normalize))) == want
+
+
+def test_two_pooling_modes_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    add_sentence_transformers_files(tmp_path, "mean_tokens")
+    config = json.loads((tmp_path / "1_Pooling" / "config.json").read_text())
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({**config, "pooling_mode_cls_token": True}))
+    with pytest.raises(ValueError, match="exactly one"):
+        resolve_pooling_config(str(tmp_path))
 
 
 def test_no_modules_is_last_token_normalised(tmp_path):
