@@ -11,12 +11,13 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 from pagedllm.engine.request_stream import RequestFailedError
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "RequestFailedError", "StructuredOutputsParams"]
+           "RequestFailedError", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
 
 
 def __getattr__(name: str):

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedllm.kv_tier_metrics import DiskTierMetrics, stats_clause
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, completions_of
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "StatsLogger"]
 
@@ -87,7 +87,7 @@ class EngineMetrics:
         self._last: dict[str, float] = {}
         self.disk_tier: DiskTierMetrics | None = None  # made when the engine's stats first show a disk tier
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, out: RequestOutput | EmbeddingRequestOutput) -> None:
         """The per-request histograms and the finish-reason counter, once a request has finished."""
         m = out.metrics
         if m is not None and m.finished_time is not None:
@@ -97,9 +97,10 @@ class EngineMetrics:
                 if m.first_token_time is not None:
                     self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
-        for c in out.outputs:
-            self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+        completions = completions_of(out)
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in completions))
+        for reason in [c.finish_reason or "abort" for c in completions] if completions else ["stop"]:
+            self._success.labels(self.model_name, reason).inc()  # (an embedding: one "stop")
 
     def update_engine_stats(self, stats: dict, num_running: int, num_waiting: int) -> None:
         """Gauges and mirrored counters from one engine snapshot (called by the engine loop thread)."""

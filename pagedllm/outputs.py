@@ -50,3 +50,31 @@ class RequestOutput:
     error: str | None = None  # set when this request failed inside the engine (the others go on)
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's (`.outputs.embedding`); the pooling runner's output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None = None  # None until finished (or when the request failed)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+def completions_of(out: RequestOutput | EmbeddingRequestOutput) -> list[CompletionOutput]:
+    """A generation's completions; an embedding has none (it generates no token)."""
+    return out.outputs if isinstance(out, RequestOutput) else []

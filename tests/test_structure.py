@@ -22,7 +22,7 @@ FLOORS: list[set[str]] = [
     {"model"},
     {"templating", "quantization", "attention", "dtypes"},
     {"kernels"},
-    {"core", "structured", "sampling_params", "outputs", "metrics", "kv_tier_metrics", "faults", "paths"},
+    {"core", "structured", "sampling_params", "pooling_params", "outputs", "metrics", "kv_tier_metrics", "faults", "paths"},
 ]
 
 

@@ -153,3 +153,27 @@ def hf_model_from_gguf(path: str, dtype: torch.dtype):
     file = Path(path)
     return transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype,
                                                              **kwargs).eval()
+
+
+def add_sentence_transformers_files(path: Path, pooling: str | None = "lasttoken", normalize: bool = True) -> Path:
+    """Make a saved checkpoint a sentence-transformers model: modules.json, 1_Pooling/config.json with
+    `pooling_mode_{pooling}` (lasttoken, mean_tokens or cls_token; None: no Pooling module) and, when `normalize`,
+    a 2_Normalize module."""
+    import json
+
+    path = Path(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    if pooling is not None:
+        modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir(exist_ok=True)
+    (path / "modules.json").write_text(json.dumps(modules))
+    if pooling is None:
+        return path
+    hidden = json.loads((path / "config.json").read_text())["hidden_size"]
+    modes = {f"pooling_mode_{m}": m == pooling for m in ("cls_token", "mean_tokens", "max_tokens",
+                                                          "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, **modes}))
+    return path

@@ -73,6 +73,8 @@ class Request:
     beam: Any = None  # the beam-search group this sequence is a beam of (core/beam_search.py)
     stop_reason: int | None = None  # the stop token that ended it
     error: str | None = None  # why it was aborted, when it failed
+    # pooling (embeddings): the prompt is computed and the sequence ends, no logits, no sampling, no decode
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

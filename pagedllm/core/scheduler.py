@@ -74,7 +74,7 @@ class ScheduledRequest:
 
     @property
     def num_logits(self) -> int:
-        return 1 + len(self.draft_token_ids) if self.samples else 0
+        return 1 + len(self.draft_token_ids) if self.samples and not self.request.prefill_only else 0
 
     @property
     def forks(self) -> bool:
@@ -116,14 +116,18 @@ class Scheduler:
             return self.config.max_model_len
         return self.kv.capacity_tokens(self.config.max_num_batched_tokens, self.config.max_model_len)
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> int:
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None = None, *, prefill_only: bool = False) -> int:
         """Reject at add time what could never run (instead of letting it wait, or stall the queue, forever).
         Returns the number of tokens the request may generate: max_tokens, or with max_tokens None as many as
-        the context and the cache can hold (the request then finishes with "length" at capacity)."""
+        the context and the cache can hold (the request then finishes with "length" at capacity). prefill_only
+        (pooling): the prompt may fill the whole context, and nothing is generated."""
         max_len = self.config.max_model_len
         if num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
-        if num_prompt_tokens >= max_len:
+        if prefill_only and num_prompt_tokens > max_len:
+            raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_model_len={max_len}; set "
+                             f"truncate_prompt_tokens to keep its last tokens")
+        if num_prompt_tokens >= max_len and not prefill_only:
             raise ValueError(
                 f"prompt is {num_prompt_tokens} tokens, which leaves no room to generate within "
                 f"max_model_len={max_len}")
@@ -132,6 +136,11 @@ class Scheduler:
                 f"the contiguous layout reserves {cdiv(max_len, self.kv.block_size)} KV blocks per request but "
                 f"the cache has only {self.kv.num_blocks}; raise kv_cache_memory or num_kv_blocks")
         capacity = self.capacity_tokens()
+        if prefill_only:
+            if num_prompt_tokens > capacity:
+                raise ValueError(f"prompt of {num_prompt_tokens} tokens needs more KV slots than the whole cache holds "
+                                 f"({capacity}); raise kv_cache_memory or num_kv_blocks")
+            return 0
         # The last generated token never needs a slot: prompt + max_tokens - 1 slots at most.
         room = min(max_len - num_prompt_tokens, capacity + 1 - num_prompt_tokens)
         if room < 1:
@@ -153,7 +162,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; its grammar matcher is made here from `new_grammar` (as each forked sample's is)."""
-        self.check_fits(request.num_prompt_tokens)
+        self.check_fits(request.num_prompt_tokens, prefill_only=request.prefill_only)
         if request.grammar is None and request.new_grammar is not None:
             request.grammar = request.new_grammar()
         request.status = RequestStatus.WAITING
@@ -318,6 +327,7 @@ class Scheduler:
         while the step ran (aborted) are skipped. Returns what each sequence took, forks right after their
         parent; beams are the beam search's (core/beam_search.py) and not reported."""
         updates: list[SequenceUpdate] = []
+        pooled: list[Request] = []  # prefill-only sequences whose prompt is done: they end here
         row = 0
         for s in out.scheduled:
             rows = list(range(row, row + s.num_rows))
@@ -328,6 +338,10 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
             if not s.samples:
                 continue
+            if req.prefill_only:
+                pooled.append(req)
+                updates.append(SequenceUpdate(req, [], []))
+                continue
             if req.beam is not None:
                 self._apply_beam_step(req.beam.take_row(req, sampled, rows[0]))
             elif s.forks:
@@ -337,6 +351,7 @@ class Scheduler:
                     updates.append(self._take_tokens(seq, sampled, [r], [], forked_from=None if seq is req else req))
             else:
                 updates.append(self._take_tokens(req, sampled, rows, s.draft_token_ids))
+        self.finish_requests(pooled, RequestStatus.FINISHED_STOPPED)
         return updates
 
     def _apply_beam_step(self, step: BeamStep | None) -> None:

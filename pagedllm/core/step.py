@@ -41,11 +41,13 @@ class SamplerOutput:
 
 @dataclass
 class RunnerOutput:
-    """What the model runner returns for one step: the sampled rows and the prompt logprobs it computed."""
+    """What the model runner returns for one step: the sampled rows, the prompt logprobs it computed and the
+    embeddings of the prefill-only requests it completed."""
 
     sampled: SamplerOutput = field(default_factory=SamplerOutput)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # by request id
     nonfinite: list[int] = field(default_factory=list)  # scheduled entries whose logits hold a NaN or infinity
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # prefill-only requests done: id -> embedding
 
 
 @dataclass

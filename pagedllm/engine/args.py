@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pagedllm.dtypes import DTYPES
 from pagedllm.quantization import QUANTIZATION
 
+RUNNERS = ("generate", "pooling")
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
@@ -79,6 +81,9 @@ class EngineArgs:
     # and processes (engine/disk_tier.py); None = off. Size: bytes on disk (LRU), e.g. "20GiB"; default 16 GiB
     kv_disk_cache_dir: str | None = None
     kv_disk_cache_size: int | str | None = None
+    # "generate" (text generation) or "pooling" (embeddings: prefill only, the prompt's hidden states pooled as the
+    # checkpoint says, pagedllm/pooling/config.py), as vLLM's --runner
+    runner: str = "generate"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -100,6 +105,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {self.runner!r}")
         if self.prefill_order not in ("shortest", "fcfs"):
             raise ValueError(f"prefill_order must be 'shortest' or 'fcfs', got {self.prefill_order!r}")
         self.max_step_ms = parse_step_ms(self.max_step_ms)
@@ -180,6 +187,8 @@ class EngineArgs:
         g.add_argument("--kv-disk-cache-size", default=None, metavar="BYTES",
                        help="most bytes the disk tier keeps (least recently used go first), e.g. 20GiB "
                             "(default 16GiB)")
+        g.add_argument("--runner", default=d.runner, choices=list(RUNNERS),
+                       help="generate: text generation; pooling: embeddings (POST /v1/embeddings, LLM.embed)")
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

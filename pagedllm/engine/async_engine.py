@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, Tracked
 from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.metrics import EngineMetrics, StatsLogger
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, completions_of
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # (llm_engine imports torch and the model code: only the type here)
@@ -37,8 +37,11 @@ T = TypeVar("T")  # what a call()'s function returns
 SWITCH_INTERVAL_S = 0.0005
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """Copy the mutable lists, so that the engine may keep appending to its own while we stream."""
+def _snapshot(out: RequestOutput | EmbeddingRequestOutput) -> RequestOutput | EmbeddingRequestOutput:
+    """Copy the mutable lists, so that the engine may keep appending to its own while we stream (an embedding
+    is reported once, finished)."""
+    if not isinstance(out, RequestOutput):
+        return out
     outs = [dataclasses.replace(c, token_ids=list(c.token_ids),
                                 logprobs=None if c.logprobs is None else list(c.logprobs))
             for c in out.outputs]
@@ -303,9 +306,9 @@ class AsyncEngine:
             m.observe_finished(out)
             if self.log_requests:
                 logger.info("Finished request %s: finish_reason=%s, prompt %d tokens, output %s tokens",
-                            out.request_id, [c.finish_reason for c in out.outputs], len(out.prompt_token_ids),
-                            [len(c.token_ids) for c in out.outputs])
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+                            out.request_id, [c.finish_reason for c in completions_of(out)],
+                            len(out.prompt_token_ids), [len(c.token_ids) for c in completions_of(out)])
+        num_tokens = sum(len(c.token_ids) for c in completions_of(out))
         new = num_tokens - t.num_tokens
         if new <= 0:
             return

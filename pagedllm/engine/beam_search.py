@@ -31,6 +31,7 @@ class BeamSearchOutput:
 
 
 def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    engine.check_runner(pooling=False)
     sched = engine.scheduler
     if engine.has_unfinished_requests() or sched.running or sched.waiting:
         raise RuntimeError("beam_search needs an idle engine")

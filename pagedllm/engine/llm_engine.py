@@ -32,7 +32,9 @@ from pagedllm.model.generation_config import generation_defaults
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
 from pagedllm.model.loader import load_model
+from pagedllm.model.pooling_config import resolve_pooling_config
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.backend import allow_token
 from pagedllm.structured.gate import GrammarGate
@@ -79,10 +81,13 @@ class LLMEngine:
                                                    self.max_model_len, args.enable_chunked_prefill,
                                                    policy=args.scheduling_policy, prefill_order=args.prefill_order),
                                    self.kv)
+        # the pooling runner: how prompts' hidden states become embeddings (None: the engine generates)
+        self.pooling_config = resolve_pooling_config(self.model_path) if args.runner == "pooling" else None
         self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks=num_blocks, block_size=args.block_size,
                                   kv_dtype=self.kv_dtype, attention_backend=args.attention_backend,
-                                  batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed)
+                                  batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed,
+                                  pooling=self.pooling_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
@@ -143,13 +148,24 @@ class LLMEngine:
         Rendered in the template sandbox (a time, memory and output limit; templating/sandbox.py)."""
         return render_chat_template(self.tokenizer, messages, **kwargs)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    @property
+    def runner_name(self) -> str:
+        return self.args.runner
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """`prompt_token_ids`: the text prompt already tokenized (the server does it off the loop thread).
-        `priority`: lower first under the priority scheduling policy."""
+        `priority`: lower first under the priority scheduling policy. PoolingParams: an embedding request (the
+        pooling runner only), SamplingParams: a generation request (the generate runner only)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        pooling = isinstance(params, PoolingParams)
+        self.check_runner(pooling)
+        if pooling:
+            self._add_pooling_request(request_id, prompt, params, cache_salt, arrival_time, prompt_token_ids,
+                                      priority)
+            return
         params.validate()
         params.prepare(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
@@ -170,6 +186,30 @@ class LLMEngine:
             self._grammar_gate.hold(state.grammar, (state, req))  # built complete; scheduled once compiled
         else:
             self.scheduler.add_request(req)
+
+    def check_runner(self, pooling: bool) -> None:
+        """ValueError naming the loaded runner when the request is for the other one (an engine runs one)."""
+        if pooling != (self.pooling_config is not None):
+            wanted, other = ("embedding", "pooling") if pooling else ("generation", "generate")
+            raise ValueError(f"this engine runs the {self.runner_name!r} runner, which does not take {wanted} "
+                             f"requests (start it with runner={other!r}, `--runner {other}`)")
+
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams,
+                             cache_salt: str | None, arrival_time: float | None, prompt_token_ids: list[int] | None,
+                             priority: int) -> None:
+        """Prefill only: the scheduler ends it once its prompt is computed, the runner pools it."""
+        params.validate()
+        hidden_size = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise ValueError(f"dimensions {params.dimensions} is more than the model's {hidden_size}")
+        ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # as vLLM: the last tokens; -1: as many as the context holds
+            ids = ids[-(self.max_model_len if keep == -1 else min(keep, self.max_model_len)):]
+        if self.pooling_config.needs_every_token:  # the prefix cache would skip rows the pooling reads
+            cache_salt = no_cache_salt(request_id, cache_salt)
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, 0, cache_salt)
+        self.scheduler.add_request(self.output_processor.add_request(state, arrival_time, priority=priority))
 
     def _grammar_factory(self, compiled: Future, params: SamplingParams) -> Callable[[], Grammar]:
         """How each sample makes its own matcher from the compiled grammar (the scheduler calls it once the
@@ -241,6 +281,8 @@ class LLMEngine:
 
     def _abort(self, request_id: str, error: str | None = None) -> RequestState | None:
         state, live = self.output_processor.abort(request_id, error)
+        if self.runner.pooler is not None:
+            self.runner.pooler.forget([r.request_id for r in live])
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         return state
 
@@ -414,6 +456,7 @@ def _merge_rows(scheduled: list[ScheduledRequest], done: dict[int, tuple[RunnerO
         result, first = done.get(id(s), (None, 0))
         if result is not None:
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.pooled.update(result.pooled)
         for r in range(first, first + s.num_rows):
             src = result.sampled if result is not None else None
             sampled.token_ids.append(src.token_ids[r] if src is not None else -1)

@@ -23,7 +23,15 @@ from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import PromptLogprobs, RunnerOutput, SamplerOutput, SequenceUpdate
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.faults import is_request_fault
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +51,7 @@ class SampleState:
 
     request: Request
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None for a pooling request (no text)
     logprobs: list[dict[int, Logprob]] | None = None  # only when the request asked for logprobs
     token_ids: list[int] = field(default_factory=list)  # the output: the core request's tokens up to a stop
     cumulative_logprob: float = 0.0
@@ -52,7 +60,7 @@ class SampleState:
 
     def output(self) -> CompletionOutput:
         cumulative = self.cumulative_logprob if self.logprobs is not None else None
-        return CompletionOutput(self.index, self.detokenizer.text, list(self.token_ids), cumulative, self.logprobs,
+        return CompletionOutput(self.index, self.detokenizer.text if self.detokenizer else "", list(self.token_ids), cumulative, self.logprobs,
                                 self.finish_reason, self.stop_reason)
 
 
@@ -64,7 +72,7 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     max_tokens: int
     cache_salt: str | None = None
     samples: list[SampleState] = field(default_factory=list)
@@ -72,6 +80,7 @@ class RequestState:
     grammar: Future | None = None  # structured outputs: the compiled grammar
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled while the prompt is computed
+    embedding: list[float] | None = None  # a pooling request's, once its prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -79,7 +88,12 @@ class RequestState:
         ended = all(s.finish_reason for s in self.samples)
         return ended and (len(self.samples) == self.params.n or any(s.finish_reason == "abort" for s in self.samples))
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | EmbeddingRequestOutput:
+        if isinstance(self.params, PoolingParams):
+            return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                          None if self.embedding is None else EmbeddingOutput(self.embedding),
+                                          self.finished, self.samples[0].request.num_cached_tokens, self.error,
+                                          self.metrics)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.samples], self.finished,
                              self.samples[0].request.num_cached_tokens, self.error, self.metrics,
@@ -121,6 +135,8 @@ class OutputProcessor:
         what the runner samples with, what the scheduler orders it by and stops on, and how its samples make their
         grammar matchers (structured outputs; the scheduler calls it once the grammar has compiled)."""
         p, n = state.params, state.params.n
+        if isinstance(p, PoolingParams):
+            return self._add_pooling_request(state, arrival_time, priority)
         req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt,
                       time.monotonic() if arrival_time is None else arrival_time,
                       sampling_params=p, seed=p.seed, max_tokens=state.max_tokens,
@@ -135,11 +151,24 @@ class OutputProcessor:
         self.requests[state.request_id] = state
         return req
 
+    def _add_pooling_request(self, state: RequestState, arrival_time: float | None, priority: int) -> Request:
+        """A prefill-only sequence (its params travel in `sampling_params`: the runner's pooler reads them)."""
+        req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt,
+                      time.monotonic() if arrival_time is None else arrival_time,
+                      sampling_params=state.params, max_tokens=0, priority=priority, prefill_only=True)
+        state.metrics = RequestMetrics(req.arrival_time)
+        self._add_sample(state, req)
+        self.requests[state.request_id] = state
+        return req
+
     def _add_sample(self, state: RequestState, req: Request) -> SampleState:
         p = state.params
-        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
-                                       p.include_stop_str_in_output)
-        sample = SampleState(req, len(state.samples), detok, [] if p.logprobs is not None else None)
+        if isinstance(p, PoolingParams):  # no text
+            sample = SampleState(req, len(state.samples), None)
+        else:
+            detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                           p.include_stop_str_in_output)
+            sample = SampleState(req, len(state.samples), detok, [] if p.logprobs is not None else None)
         state.samples.append(sample)
         self._samples[req.request_id] = (state, sample)
         return sample
@@ -192,6 +221,12 @@ class OutputProcessor:
             state, sample = found
             touched[state.request_id] = state
             if state.error:
+                continue
+            if u.request.prefill_only:
+                sample.finish_reason = "stop"
+                state.embedding = runner_out.pooled.get(u.request.request_id)
+                if state.embedding is None:  # (the runner pools every prefill-only entry it completes)
+                    state.error = "the model step returned no embedding for this request"
                 continue
             try:
                 if self._advance(state, sample, u, runner_out.sampled):

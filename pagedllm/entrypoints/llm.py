@@ -1,7 +1,8 @@
-"""The offline API: LLM.generate / chat / beam_search, named as in vLLM."""
+"""The offline API: LLM.generate / chat / beam_search / embed, named as in vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -11,7 +12,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request_stream import RequestFailedError
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, completions_of
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,24 @@ class LLM:
                     if p.structured_outputs is not None]  # compile them all at once, in the background
         for g in grammars:
             g.result()  # an invalid schema / regex / grammar raises its GrammarError (a ValueError) before any add
+        return self._add_and_run(prompts, params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), pooled as the checkpoint says; the pooling runner
+        only (LLM(model, runner="pooling")), as vLLM's."""
+        prompts = _as_prompt_list(prompts)
+        if not prompts:
+            return []
+        params = pooling_params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError("pooling_params must be a PoolingParams")
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        return self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
+
+    def _add_and_run(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams],
+                     use_tqdm: bool) -> list:
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -93,8 +113,8 @@ class LLM:
             raise
         return self._run(order, use_tqdm)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(order)
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list:
+        results: list[RequestOutput | EmbeddingRequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True,
                    postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         tokens_in = tokens_out = 0
@@ -104,7 +124,7 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         tokens_in += len(out.prompt_token_ids)
-                        tokens_out += sum(len(c.token_ids) for c in out.outputs)
+                        tokens_out += sum(len(c.token_ids) for c in completions_of(out))
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         # as vLLM's bar: tokens of the finished requests over the time so far
                         bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "

@@ -15,6 +15,8 @@ from pagedllm.core.step import RunnerOutput
 from pagedllm.kernels import KernelMode, forward_context, kernel_op
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import allocate_kv_caches
+from pagedllm.model.pooling_config import PoolingConfig
+from pagedllm.worker.pooler import Pooler, finish_embedding
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
 
@@ -33,7 +35,7 @@ def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow],
                 rows.append(SamplingRow(req.sampling_params, req.prompt_token_ids, [],
                                         None if req.seed is None else req.seed + i))
                 logit_rows.append(logit_row)
-        elif s.samples:
+        elif s.num_logits:  # (a prefill-only entry has none)
             out, drafts = req.output_token_ids, s.draft_token_ids
             for j in range(len(drafts) + 1):
                 rows.append(SamplingRow(req.sampling_params, req.prompt_token_ids,
@@ -67,11 +69,13 @@ def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, *, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True,
-                 layout: KVGroupLayout | None = None, seed: int = 0) -> None:
+                 layout: KVGroupLayout | None = None, seed: int = 0,
+                 pooling: PoolingConfig | None = None) -> None:
         """The settings after the model and its config are keywords: several are ints or bools, which a positional
         call could swap unseen. kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8:
         model/kv_cache.resolve_kv_dtype). layout: the KV groups (core/kv_groups.py; None: one group of every
-        layer). seed: the sampler's generator (rows without a seed of their own)."""
+        layer). seed: the sampler's generator (rows without a seed of their own). pooling: how prefill-only
+        requests pool their hidden states (the pooling runner; None: the engine only generates)."""
         self.model = model
         self.kernel_mode = KernelMode(invariant=batch_invariant)  # every forward runs in it (engines may differ)
         self.block_size = block_size
@@ -81,6 +85,7 @@ class ModelRunner:
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
         self.sampler = Sampler(seed)
+        self.pooler = Pooler(pooling, block_size) if pooling is not None else None
         # Logits land in one reused buffer: glibc maps every allocation over 32 MB afresh, so a fresh
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).
@@ -96,6 +101,9 @@ class ModelRunner:
             logits, hidden = self.forward(scheduled, block_copies)
             out = RunnerOutput(prompt_logprobs=prompt_logprobs(self.model, hidden, scheduled),
                                nonfinite=nonfinite_entries(scheduled, logits))
+            if self.pooler is not None:
+                out.pooled = {req.request_id: finish_embedding(v, self.pooler.config, req.sampling_params)
+                              for req, v in self.pooler(scheduled, hidden)}
             rows, logit_rows = sampling_rows(scheduled)
             if rows:
                 identity = logit_rows == list(range(len(logits)))  # no forks: skip a [rows, vocab] copy

@@ -48,9 +48,12 @@ class PromptPreprocessor:
     async def render_chat(self, messages: list[dict], **template_options: Any) -> str:
         return await self.run(functools.partial(self._render_chat, messages, **template_options))
 
-    async def tokenize(self, prompt: str | list[int], param: str = "prompt") -> dict[str, Any]:
+    async def tokenize(self, prompt: str | list[int], param: str = "prompt", *, prefill_only: bool = False,
+                       truncating: bool = False) -> dict[str, Any]:
         """The prompt's token ids as add_request keywords; a 400 as soon as its length shows it cannot fit in
-        max_model_len. An engine that tokenizes for itself (the data-parallel client) gets only the checks."""
+        max_model_len. An engine that tokenizes for itself (the data-parallel client) gets only the checks.
+        prefill_only: an embedding's prompt, which may fill the context; truncating: the engine keeps its last
+        tokens (truncate_prompt_tokens), so no token count is too many."""
         if isinstance(prompt, str):
             check_text_length(prompt, self.max_model_len, self.chars_per_token, param)
             if self._tokenize is None:
@@ -58,7 +61,8 @@ class PromptPreprocessor:
             ids = await self.run(self._tokenize, prompt)
         else:
             ids = prompt  # the engine checks them against the vocabulary
-        check_prompt_tokens(len(ids), self.max_model_len, param)
+        if not truncating:
+            check_prompt_tokens(len(ids), self.max_model_len, param, prefill_only=prefill_only)
         return {"prompt_token_ids": ids} if self._tokenize is not None and isinstance(prompt, str) else {}
 
     async def token_ids(self, prompt: str) -> list[int]:

@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 from pagedllm.entrypoints.openai.responses.store import DEFAULT_MAX_RESPONSES, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, add_embedding_routes
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
@@ -90,6 +91,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     completion = OpenAIServingCompletion(async_engine, names, preprocess=preprocess, gate=gate)
     chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
     tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)
+    embedding = OpenAIServingEmbedding(async_engine, names, preprocess=preprocess, gate=gate)
     for serving in (chat, tokens):
         serving.default_chat_template = chat_template
         serving.trust_request_chat_template = trust_request_chat_template
@@ -179,6 +181,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     add_responses_routes(app, responses)
     add_messages_routes(app, messages)
     add_extra_routes(app, tokens)
+    add_embedding_routes(app, embedding)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
 

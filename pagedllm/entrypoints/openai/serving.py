@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.streams import (
 from pagedllm.entrypoints.openai.structured import requested_structure
 from pagedllm.entrypoints.openai.validation import check_unicode
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured import StructuredOutputsParams
 
@@ -319,14 +320,17 @@ class OpenAIServing:
         if not ids:
             raise OpenAIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
 
-    async def submit(self, prompts: list[str | list[int]], params: SamplingParams, base_id: str,
-                     cache_salt: str | None, known_params: set[str], priority: int = 0) -> list[RequestStream]:
+    async def submit(self, prompts: list[str | list[int]], params: SamplingParams | PoolingParams, base_id: str,
+                     cache_salt: str | None, known_params: set[str], priority: int = 0,
+                     param: str | None = None) -> list[RequestStream]:
         """Tokenize every prompt (off the loops), then add them; on any rejection abort those already added
-        and raise the OpenAI error."""
+        and raise the OpenAI error. param: the field the prompts came from (errors name it)."""
         streams: list[RequestStream] = []
-        param = "messages" if "messages" in known_params else "prompt"  # chat: the templated conversation
+        param = param or ("messages" if "messages" in known_params else "prompt")  # chat: the templated conversation
+        pooling = isinstance(params, PoolingParams)  # an embedding's prompt may fill the context, or be truncated
+        limits = {"prefill_only": True, "truncating": params.truncate_prompt_tokens is not None} if pooling else {}
         try:
-            tokenized = [await self.preprocess.tokenize(p, param) for p in prompts]
+            tokenized = [await self.preprocess.tokenize(p, param, **limits) for p in prompts]
             for i, (p, kw) in enumerate(zip(prompts, tokenized, strict=True)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(await self.engine.add_request(p, params, rid, cache_salt, priority=priority, **kw))
@@ -335,8 +339,8 @@ class OpenAIServing:
                 self.engine.abort(s.request_id)
             if isinstance(e, ValueError):
                 err = bad_request(e, known_params | {"prompt"})
-                if err.param == "prompt" and "messages" in known_params:
-                    err.param = "messages"  # chat: the prompt is the templated conversation
+                if err.param == "prompt" and param != "prompt":
+                    err.param = param  # chat: the prompt is the templated conversation; embeddings: the input
                 raise err from e
             if isinstance(e, EngineDeadError):
                 raise engine_error(e) from e

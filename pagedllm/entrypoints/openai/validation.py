@@ -51,8 +51,14 @@ def prompt_too_long(num_tokens: int, max_model_len: int, param: str = "prompt") 
                             f"max_model_len={max_model_len}", param=param, code="context_length_exceeded")
 
 
-def check_prompt_tokens(num_tokens: int, max_model_len: int, param: str = "prompt") -> None:
-    if num_tokens >= max_model_len:
+def check_prompt_tokens(num_tokens: int, max_model_len: int, param: str = "prompt", *,
+                        prefill_only: bool = False) -> None:
+    """prefill_only (embeddings): the prompt may fill the context, nothing is generated after it."""
+    if prefill_only and num_tokens > max_model_len:
+        raise OpenAIError(400, f"{param} is {num_tokens} tokens, more than max_model_len={max_model_len}; set "
+                               f"truncate_prompt_tokens to keep its last tokens", param=param,
+                          code="context_length_exceeded")
+    if num_tokens >= max_model_len and not prefill_only:
         raise prompt_too_long(num_tokens, max_model_len, param)
 
 
