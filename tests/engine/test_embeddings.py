@@ -8,9 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from pagedllm import BeamSearchParams, PoolingParams, SamplingParams
-from tests.tiny_models import (
+from tiny_models import (
     add_sentence_transformers_files,
     assert_no_leaks,
     fresh_seed,
@@ -18,6 +16,8 @@ from tests.tiny_models import (
     make_tiny_model,
     random_prompts,
 )
+
+from pagedllm import BeamSearchParams, PoolingParams, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -42,20 +42,21 @@ def _serve(model_dir, runner: str):
     return live
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    live = _serve(model_dir, "pooling")
+def _running(model_dir, runner: str):
+    live = _serve(model_dir, runner)
     with live:
         yield live
     live.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    yield from _running(model_dir, "pooling")
 
 
 @pytest.fixture(scope="module")
 def generating_server(model_dir):
-    live = _serve(model_dir, "generate")
-    with live:
-        yield live
-    live.engine.shutdown()
+    yield from _running(model_dir, "generate")
 
 
 @pytest.fixture

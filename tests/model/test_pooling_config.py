@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import add_sentence_transformers_files
 
 from pagedllm.model.pooling_config import PoolingConfig, resolve_pooling_config
-from tests.tiny_models import add_sentence_transformers_files
 
 
 @pytest.mark.parametrize(("pooling", "normalize", "want"), [
