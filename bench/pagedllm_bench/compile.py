@@ -35,7 +35,10 @@ def compiled_pointwise() -> dict:
         return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
     def swiglu(self: mlp.GatedMLP, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_gate(self.gate_up(x), self.intermediate))
+        gu = self.gate_up(x)
+        if self.glu is not mlp.swiglu:  # (GeGLU, gpt-oss's clamped SwiGLU: as the model computes them)
+            return self.down(self.glu(gu[:, :self.intermediate], gu[:, self.intermediate:]))
+        return self.down(silu_gate(gu, self.intermediate))
 
     return {(layers.RMSNorm, "forward"): lambda self, x: rms_norm(x, self.weight, self.eps),
             (mlp.GatedMLP, "forward"): swiglu,
