@@ -67,7 +67,8 @@ def test_greedy_chat_answers_match_transformers(ours, hf):
 def test_perplexity_matches_transformers(ours, hf):
     text = open(TEXT, encoding="utf-8").read()
     ids = ours.tokenizer(text)["input_ids"]
-    assert len(ids) > 2000
+    assert len(ids) > 1280
+    ids = ids[:1280]  # past 1,024 keys (the kernels' long-context paths), at half the whole text's time
     ppl = perplexity(ours, ids)
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0].float()
