@@ -198,14 +198,9 @@ class LLMEngine:
                              cache_salt: str | None, arrival_time: float | None, prompt_token_ids: list[int] | None,
                              priority: int) -> None:
         """Prefill only: the scheduler ends it once its prompt is computed, the runner pools it."""
-        params.validate()
-        hidden_size = self.model_config.hidden_size
-        if params.dimensions is not None and params.dimensions > hidden_size:
-            raise ValueError(f"dimensions {params.dimensions} is more than the model's {hidden_size}")
-        ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # as vLLM: the last tokens; -1: as many as the context holds
-            ids = ids[-(self.max_model_len if keep == -1 else min(keep, self.max_model_len)):]
+        params.validate(self.model_config.hidden_size)
+        ids = params.truncated(self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids),
+                               self.max_model_len)
         if self.pooling_config.needs_every_token:  # the prefix cache would skip rows the pooling reads
             cache_salt = no_cache_salt(request_id, cache_salt)
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, 0, cache_salt)
