@@ -56,8 +56,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.top_k, self.renormalize)
         k = self.top_k
-        slots = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype)  # row t * k + j: slot j of token t
         w = weights.reshape(-1, 1).to(x.dtype)
+        if x.shape[0] == 1:  # one token (a lone decode step): its k experts in slot order, nothing to group
+            out = self.experts[int(experts[0, 0])](x) * w[0]
+            for j in range(1, k):
+                out += self.experts[int(experts[0, j])](x) * w[j]
+            return out
+        slots = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype)  # row t * k + j: slot j of token t
         for e, idx in group_by_expert(experts, self.num_experts):
             slots[idx] = self.experts[e](x[idx // k]) * w[idx]
         slots = slots.view(x.shape[0], k, x.shape[1])
