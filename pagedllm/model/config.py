@@ -185,6 +185,11 @@ def yarn_scaling(scaling: dict[str, Any], max_positions: int) -> dict[str, Any]:
     return out
 
 
+def field_error(name: str, detail: str) -> InvalidModelError:
+    """The error for config.json field `name` (config_checks' Fail)."""
+    return InvalidModelError(detail, field=name)
+
+
 def check_token_ids(token_ids: Iterable[int], vocab_size: int) -> None:
     """Raise ValueError naming the first id outside [0, vocab_size). Called by the engine at add_request."""
     bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
@@ -284,7 +289,7 @@ def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     original = out.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     if original is not None and "attention_factor" not in out:
         original = checked_int(original, "max_position_embeddings", "original_max_position_embeddings",
-                               lambda name, detail: InvalidModelError(detail, field=name))
+                               field_error)
         factor = float(out.get("factor") or int(cfg.get("max_position_embeddings", 2048)) / original)
         out["attention_factor"] = (math.sqrt(1 + math.log(factor) / math.log(original))
                                    if factor > 1.0 and original > 1 else 1.0)
@@ -300,7 +305,7 @@ def _hf_nope_layers(cfg: dict[str, Any], spec: registry.ArchSpec, num_layers: in
         if interval is None:
             return []
         interval = checked_int(interval, "num_layers", "no_rope_layer_interval",
-                               lambda name, detail: InvalidModelError(detail, field=name))
+                               field_error)
         return nope_every(interval, num_layers)
     if not (isinstance(flags, list) and len(flags) == num_layers and all(f in (0, 1) for f in flags)):
         raise InvalidModelError(f"must be {num_layers} flags of 0 or 1 (one per layer)", field="no_rope_layers")
@@ -319,7 +324,7 @@ def _hf_multipliers(cfg: dict[str, Any], spec: registry.ArchSpec) -> dict[str, A
     out = {key: float(cfg.get(key, 1.0)) for key in ("embedding_multiplier", "residual_multiplier",
                                                        "logits_scaling", "attention_multiplier")}
     for key, value in out.items():
-        checked_float(value, key, key, lambda name, detail: InvalidModelError(detail, field=name))
+        checked_float(value, key, key, field_error)
     return out
 
 
@@ -344,10 +349,8 @@ def arch_moe_options(spec: registry.ArchSpec, limit: Any = None, alpha: Any = No
     config may give)."""
     if spec.swiglu_clamp is None:
         return {"moe_bias": spec.moe_bias}
-    def fail(name: str, detail: str) -> InvalidModelError:
-        return InvalidModelError(detail, field=name)
-    limit = checked_float(spec.swiglu_clamp[0] if limit is None else limit, "swiglu", "swiglu_limit", fail)
-    alpha = checked_float(spec.swiglu_clamp[1] if alpha is None else alpha, "swiglu", "swiglu_alpha", fail)
+    limit = checked_float(spec.swiglu_clamp[0] if limit is None else limit, "swiglu", "swiglu_limit", field_error)
+    alpha = checked_float(spec.swiglu_clamp[1] if alpha is None else alpha, "swiglu", "swiglu_alpha", field_error)
     return {"moe_bias": spec.moe_bias, "swiglu_limit": limit, "swiglu_alpha": alpha}
 
 
@@ -362,17 +365,14 @@ _HF_INTS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "in
 
 def _check_hf_numbers(cfg: dict[str, Any]) -> None:
     """The numbers config.json gives, in sane ranges before anything is sized by them (InvalidModelError)."""
-    def fail(name: str, detail: str) -> InvalidModelError:
-        return InvalidModelError(detail, field=name)
-
     for key, field_name in _HF_INTS.items():
         if cfg.get(key) is not None:
-            checked_int(cfg[key], field_name, key, fail)
+            checked_int(cfg[key], field_name, key, field_error)
         elif key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-            raise fail(key, "missing")
+            raise field_error(key, "missing")
     for key, field_name in (("rms_norm_eps", "rms_norm_eps"), ("rope_theta", "rope_theta")):
         if cfg.get(key) is not None:
-            checked_float(cfg[key], field_name, key, fail)
+            checked_float(cfg[key], field_name, key, field_error)
 
 
 def _rope_scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
