@@ -11,13 +11,15 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "5000")
 
 from pagedllm.engine.request_stream import RequestFailedError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "RequestFailedError", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "RequestFailedError", "StructuredOutputsParams", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -75,6 +75,9 @@ class Request:
     error: str | None = None  # why it was aborted, when it failed
     # pooling (embeddings): the prompt is computed and the sequence ends, no logits, no sampling, no decode
     prefill_only: bool = False
+    # the LoRA adapter its tokens run with (None: the base model); the scheduler keeps at most max_loras distinct
+    # adapters running, and the engine keys its prefix-cache blocks by it (through cache_salt)
+    lora_id: int | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

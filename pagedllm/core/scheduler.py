@@ -43,6 +43,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting a new request
     policy: str = "fcfs"  # or "priority": Request.priority first (lower first), as vLLM's --scheduling-policy
     prefill_order: str = "shortest"  # prompts closest to done get the budget first; "fcfs": arrival order
+    max_loras: int = 1  # distinct LoRA adapters among the running requests, at most (the runner's slots)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -234,6 +235,7 @@ class Scheduler:
         """The running prompts and the waiting ones, in prefill order, within `budget` tokens; new requests are
         admitted unless this step preempted or a running prompt found no blocks."""
         blocked = bool(out.preempted)
+        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
         for req in self._prefill_order():
             if budget <= 0:
                 continue
@@ -247,6 +249,10 @@ class Scheduler:
             else:
                 if blocked or len(self.running) >= self.config.max_num_seqs:
                     continue
+                if req.lora_id is not None and req.lora_id not in adapters:
+                    if len(adapters) >= self.config.max_loras:  # its adapter waits for a slot; others go on
+                        continue
+                    adapters.add(req.lora_id)
                 loading = self._load_from_tier(req)
                 if loading is not None:  # off the queue while its prefix loads; or no room for it yet
                     blocked = blocked or not loading
@@ -371,7 +377,7 @@ class Scheduler:
                         sampling_params=parent.sampling_params,
                         seed=None if parent.seed is None else parent.seed + index, max_tokens=parent.max_tokens,
                         eos_token_ids=parent.eos_token_ids, stop_token_ids=parent.stop_token_ids,
-                        new_grammar=parent.new_grammar,
+                        new_grammar=parent.new_grammar, lora_id=parent.lora_id,
                         grammar=parent.new_grammar() if parent.new_grammar is not None else None)
         self.fork(parent, child)
         return child

@@ -84,6 +84,11 @@ class EngineArgs:
     # "generate" (text generation) or "pooling" (embeddings: prefill only, the prompt's hidden states pooled as the
     # checkpoint says, pagedllm/pooling/config.py), as vLLM's --runner
     runner: str = "generate"
+    # LoRA adapters (pagedllm/lora/): at most max_loras distinct adapters run in one step (the model's slots), each
+    # of rank max_lora_rank at most, as vLLM's
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -110,6 +115,9 @@ class EngineArgs:
         if self.prefill_order not in ("shortest", "fcfs"):
             raise ValueError(f"prefill_order must be 'shortest' or 'fcfs', got {self.prefill_order!r}")
         self.max_step_ms = parse_step_ms(self.max_step_ms)
+        for name in ("max_loras", "max_lora_rank"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.speculative_config is not None:
             from pagedllm.engine.speculative import SpeculativeConfig
 
@@ -189,6 +197,12 @@ class EngineArgs:
                             "(default 16GiB)")
         g.add_argument("--runner", default=d.runner, choices=list(RUNNERS),
                        help="generate: text generation; pooling: embeddings (POST /v1/embeddings, LLM.embed)")
+        g.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
+                       help="serve LoRA adapters (--lora-modules, POST /v1/load_lora_adapter, LLM lora_request)")
+        g.add_argument("--max-loras", type=int, default=d.max_loras,
+                       help="most distinct LoRA adapters in one batch (requests of others wait)")
+        g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                       help="largest LoRA rank an adapter may have")
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

@@ -22,11 +22,14 @@ from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from pagedllm.core.step import RunnerOutput, SamplerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.disk_tier import make_disk_tier
+from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_salt
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.engine.step_budget import StepBudget
 from pagedllm.faults import as_exception, is_request_fault
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.generation_config import generation_defaults
 from pagedllm.model.hub import resolve_model_path
@@ -79,15 +82,18 @@ class LLMEngine:
                                         max_model_len=self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                    self.max_model_len, args.enable_chunked_prefill,
-                                                   policy=args.scheduling_policy, prefill_order=args.prefill_order),
+                                                   policy=args.scheduling_policy, prefill_order=args.prefill_order,
+                                                   max_loras=args.max_loras),
                                    self.kv)
         # the pooling runner: how prompts' hidden states become embeddings (None: the engine generates)
         self.pooling_config = resolve_pooling_config(self.model_path) if args.runner == "pooling" else None
         self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
+        lora = LoRAManager(loaded.model, args.max_loras, args.max_lora_rank, dtype) if args.enable_lora else None
+        self.loras = None if lora is None else LoRARegistry(lora, cfg, dtype, self._runs_adapter)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks=num_blocks, block_size=args.block_size,
                                   kv_dtype=self.kv_dtype, attention_backend=args.attention_backend,
                                   batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed,
-                                  pooling=self.pooling_config)
+                                  pooling=self.pooling_config, lora=lora)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)
@@ -154,17 +160,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """`prompt_token_ids`: the text prompt already tokenized (the server does it off the loop thread).
         `priority`: lower first under the priority scheduling policy. PoolingParams: an embedding request (the
-        pooling runner only), SamplingParams: a generation request (the generate runner only)."""
+        pooling runner only), SamplingParams: a generation request (the generate runner only). `lora_request`:
+        the adapter it runs with (loaded on first use; LLM(enable_lora=True))."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         pooling = isinstance(params, PoolingParams)
         self.check_runner(pooling)
+        lora = None if lora_request is None else self.add_lora(lora_request)
+        cache_salt = lora_cache_salt(cache_salt, lora)
+        lora_id = None if lora is None else lora.key
         if pooling:
             self._add_pooling_request(request_id, prompt, params, cache_salt, arrival_time, prompt_token_ids,
-                                      priority)
+                                      priority, lora_id)
             return
         params.validate()
         params.prepare(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
@@ -175,7 +186,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             cache_salt = no_cache_salt(request_id, cache_salt)
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, max_tokens,
-                             cache_salt)
+                             cache_salt, lora_id=lora_id)
         if params.structured_outputs is not None:
             state.grammar = self.structured_outputs.submit(params.structured_outputs)
             if state.grammar.done() and state.grammar.exception() is not None:
@@ -187,6 +198,23 @@ class LLMEngine:
         else:
             self.scheduler.add_request(req)
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest):
+        """Load an adapter (once per name; LoadedLoRA). ValueError where LoRA is off or the adapter cannot load."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled on this engine (LLM(enable_lora=True), `--enable-lora`)")
+        return self.loras.resolve(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload by name (its running requests finish with it); False if no such adapter is loaded."""
+        return self.loras is not None and self.loras.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.loras is None else [lo.request for lo in self.loras.loaded.values()]
+
+    def _runs_adapter(self, key: int) -> bool:
+        return any(r.lora_id == key for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
+
     def check_runner(self, pooling: bool) -> None:
         """ValueError naming the loaded runner when the request is for the other one (an engine runs one)."""
         if pooling != (self.pooling_config is not None):
@@ -196,14 +224,15 @@ class LLMEngine:
 
     def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams,
                              cache_salt: str | None, arrival_time: float | None, prompt_token_ids: list[int] | None,
-                             priority: int) -> None:
+                             priority: int, lora_id: int | None) -> None:
         """Prefill only: the scheduler ends it once its prompt is computed, the runner pools it."""
         params.validate(self.model_config.hidden_size)
         ids = params.truncated(self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids),
                                self.max_model_len)
         if self.pooling_config.needs_every_token:  # the prefix cache would skip rows the pooling reads
             cache_salt = no_cache_salt(request_id, cache_salt)
-        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, 0, cache_salt)
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, 0, cache_salt,
+                             lora_id=lora_id)
         self.scheduler.add_request(self.output_processor.add_request(state, arrival_time, priority=priority))
 
     def _grammar_factory(self, compiled: Future, params: SamplingParams) -> Callable[[], Grammar]:
@@ -291,6 +320,8 @@ class LLMEngine:
             self.disk_tier.before_execute()  # before the model writes into blocks the pool just evicted
             if out.is_empty:
                 self.disk_tier.after_step(idle=True)  # a request may be waiting for its blocks from disk
+        if self.loras is not None and self.loras.has_retired:
+            self.loras.collect()
         if out.is_empty:
             return failed_grammars
         self.num_steps += 1

@@ -81,6 +81,7 @@ class RequestState:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled while the prompt is computed
     embedding: list[float] | None = None  # a pooling request's, once its prompt is computed
+    lora_id: int | None = None  # the LoRA adapter it runs with (engine/lora_registry.py)
 
     @property
     def finished(self) -> bool:
@@ -143,7 +144,7 @@ class OutputProcessor:
                       eos_token_ids=frozenset() if p.ignore_eos else p.eos_token_ids,
                       stop_token_ids=frozenset(p.stop_token_ids or ()),
                       fork_ids=[sample_request_id(state.request_id, i) for i in range(1, n)],
-                      priority=priority, new_grammar=new_grammar)
+                      priority=priority, new_grammar=new_grammar, lora_id=state.lora_id)
         state.metrics = RequestMetrics(req.arrival_time)
         if p.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(state.prompt_token_ids)
@@ -155,7 +156,8 @@ class OutputProcessor:
         """A prefill-only sequence (its params travel in `sampling_params`: the runner's pooler reads them)."""
         req = Request(sample_request_id(state.request_id, 0), state.prompt_token_ids, state.cache_salt,
                       time.monotonic() if arrival_time is None else arrival_time,
-                      sampling_params=state.params, max_tokens=0, priority=priority, prefill_only=True)
+                      sampling_params=state.params, max_tokens=0, priority=priority, prefill_only=True,
+                      lora_id=state.lora_id)
         state.metrics = RequestMetrics(req.arrival_time)
         self._add_sample(state, req)
         self.requests[state.request_id] = state

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request_stream import RequestFailedError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, completions_of
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -67,7 +68,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest] | None = None
+                 ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one per prompt (None: the base model), as vLLM's."""
         prompts = _as_prompt_list(prompts)
         if not prompts:
             logger.warning("LLM.generate got no prompts: nothing to do")  # as vLLM: an empty result, not an error
@@ -84,7 +87,7 @@ class LLM:
                     if p.structured_outputs is not None]  # compile them all at once, in the background
         for g in grammars:
             g.result()  # an invalid schema / regex / grammar raises its GrammarError (a ValueError) before any add
-        return self._add_and_run(prompts, params, use_tqdm)
+        return self._add_and_run(prompts, params, use_tqdm, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
@@ -101,12 +104,15 @@ class LLM:
         return self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
 
     def _add_and_run(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams],
-                     use_tqdm: bool) -> list:
+                     use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest] | None = None) -> list:
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         order: dict[str, int] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
                 order[rid] = i
         except Exception:
             self.engine.abort_request(list(order))
@@ -146,7 +152,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat. Templates render with a time, memory and output limit (templating/sandbox.py);
         the rendered prompt's length is checked before it is tokenized."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -154,7 +161,7 @@ class LLM:
                    "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
                    "tools": tools}
         prompts: list[Prompt] = [self.engine.apply_chat_template(c, **options) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
         from pagedllm.engine.beam_search import beam_search

@@ -61,7 +61,7 @@ def type_name(ggml_type: int) -> str:
     return f"{known[0]} ({ggml_type})" if known else str(ggml_type)
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's permute(): rows were reordered from [halves] to [interleaved pairs] per head."""
     shape = w.shape
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
@@ -115,8 +115,8 @@ def iter_gguf_weights(f: GGUFFile, cfg: ModelConfig, as_stored: bool = False) ->
             w = w.float() - spec.gguf_norm_shift
         heads = cfg.num_heads if name.endswith(_PERMUTED_Q) else cfg.num_kv_heads
         if permuted and name.endswith((_PERMUTED_Q, _PERMUTED_K)):
-            w = w.rows(_unpermute(torch.arange(w.shape[0]), heads)) if isinstance(w, QuantTensor) \
-                else _unpermute(w, heads)
+            w = w.rows(unpermute(torch.arange(w.shape[0]), heads)) if isinstance(w, QuantTensor) \
+                else unpermute(w, heads)
         if isinstance(w, QuantTensor) and w.release_source is not None and not w.packable:
             w = QuantTensor(w.data.clone(), w.qtype, w.cols)  # kept as stored: own it
         yield name, w

@@ -87,6 +87,7 @@ class Linear(nn.Module):
         self.method = method or DENSE
         self.method.create_weights(self, dtype)
         self.bias = frozen_param(self.output_size, dtype=dtype) if bias else None
+        self.lora = None  # its LoRA slots (lora/layers.LoRAStack) once the engine enables LoRA
 
     def shard_rows(self, shard: int | None) -> slice | None:
         if shard is None:
@@ -111,4 +112,5 @@ class Linear(nn.Module):
         return param_name == "weight" or (param_name == "bias" and self.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)

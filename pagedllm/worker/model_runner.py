@@ -3,6 +3,7 @@ execution, schedule -> **execute** -> update (core/step.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -13,6 +14,7 @@ from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import RunnerOutput
 from pagedllm.kernels import KernelMode, forward_context, kernel_op
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import allocate_kv_caches
 from pagedllm.model.pooling_config import PoolingConfig
@@ -70,13 +72,15 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, *, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True,
                  layout: KVGroupLayout | None = None, seed: int = 0,
-                 pooling: PoolingConfig | None = None) -> None:
+                 pooling: PoolingConfig | None = None, lora: LoRAManager | None = None) -> None:
         """The settings after the model and its config are keywords: several are ints or bools, which a positional
         call could swap unseen. kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8:
         model/kv_cache.resolve_kv_dtype). layout: the KV groups (core/kv_groups.py; None: one group of every
         layer). seed: the sampler's generator (rows without a seed of their own). pooling: how prefill-only
-        requests pool their hidden states (the pooling runner; None: the engine only generates)."""
+        requests pool their hidden states (the pooling runner; None: the engine only generates). lora: the
+        adapters' slots (None: LoRA off)."""
         self.model = model
+        self.lora = lora
         self.kernel_mode = KernelMode(invariant=batch_invariant)  # every forward runs in it (engines may differ)
         self.block_size = block_size
         self.backend = get_backend(attention_backend)
@@ -110,6 +114,12 @@ class ModelRunner:
                 out.sampled = self.sampler(logits if identity else logits[logit_rows], rows, token_bitmask)
         return out
 
+    def _adapters(self, scheduled: list[ScheduledRequest]) -> contextlib.AbstractContextManager:
+        """The LoRA adapter of every new token's row (a no-op without adapters)."""
+        if self.lora is None or all(s.request.lora_id is None for s in scheduled):
+            return contextlib.nullcontext()
+        return self.lora.batch([s.request.lora_id for s in scheduled for _ in range(s.num_new_tokens)])
+
     def forward(self, scheduled: list[ScheduledRequest],
                 block_copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 logits for the rows that have them (each sampling entry's last 1 + draft tokens, in order; in a
@@ -128,8 +138,9 @@ class ModelRunner:
         tables = [[s.block_ids[g] for s in scheduled] for g in range(self.num_groups)]
         metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in tables]
         meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.kv_caches.layer_group]
-        hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
-                            self.kv_caches, meta)
+        with self._adapters(scheduled):
+            hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
+                                self.kv_caches, meta)
         if not logit_rows:  # a step of prefill chunks only
             return torch.empty(0, self.vocab_size), hidden
         if self._logits.shape[0] < len(logit_rows):
