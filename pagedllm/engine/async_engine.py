@@ -203,9 +203,11 @@ class AsyncEngine:
         return self.engine.loras is not None  # (set once at construction: safe to read from any thread)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load an adapter in the loop thread, between two steps (ValueError / InvalidModelError naming what is
-        wrong with it)."""
-        await self.call(lambda e: e.add_lora(lora_request))
+        """Load an adapter (ValueError / InvalidModelError naming what is wrong with it): its files are read in a
+        worker thread, so that neither the event loop nor the engine's steps wait on the disk; then it is added
+        in the loop thread, between two steps."""
+        read = await asyncio.to_thread(self.engine.read_lora, lora_request)
+        await self.call(lambda e: e.add_lora(lora_request, read))
 
     async def remove_lora(self, lora_name: str) -> bool:
         """Unload an adapter; its running requests finish with it. False if it is not loaded."""

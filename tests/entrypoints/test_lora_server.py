@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.serving_models import (  # noqa: E402
     OpenAIServingModels,
     parse_lora_module,
 )
+from pagedllm.lora import LoRANotFoundError  # noqa: E402
 
 KEY = "sk-lora"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -94,6 +95,7 @@ def server(llm, paths, oracle):
                                   parse_lora_module(json.dumps({"name": "a2", "path": paths["a2"],
                                                                 "base_model_name": "tiny"}))])
     with LiveServer(app) as live:
+        live.engine = engine
         yield live
     engine.shutdown()
 
@@ -160,6 +162,19 @@ def test_load_use_unload(client, server, paths, oracle):
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "late"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     assert [m.id for m in client.models.list().data] == ["tiny", "a1", "a2"]
+
+
+def test_a_request_never_loads_an_adapter_the_server_has_not(server, paths):
+    """An adapter unloaded while a request naming it was on its way is not loaded back on first use: the request
+    fails (a 404 in the server) and the adapter stays gone."""
+    async def add() -> None:
+        await server.engine.add_request("hi", SamplingParams(max_tokens=2), lora_request=LoRARequest(
+            "gone", 99, paths["a2"]))
+
+    with pytest.raises(LoRANotFoundError):
+        asyncio.run(add())
+    names = asyncio.run(server.engine.call(lambda e: [lo.lora_name for lo in e.list_loras()]))
+    assert names == ["a1", "a2"]
 
 
 @pytest.mark.parametrize(("name", "path", "message"), [

@@ -138,8 +138,8 @@ class OpenAIServingModels:
             lora = next((lo for lo in self.lora_requests.values()
                          if req.lora_name in (None, lo.lora_name) and req.lora_int_id in (None, lo.lora_int_id)), None)
             if lora is None:
-                what = req.lora_name if req.lora_name is not None else f"with id {req.lora_int_id}"
-                raise OpenAIError(404, f"The lora adapter '{what}' cannot be found.", param="lora_name",
+                what = f"'{req.lora_name}'" if req.lora_name is not None else f"with lora_int_id {req.lora_int_id}"
+                raise OpenAIError(404, f"The lora adapter {what} cannot be found.", param="lora_name",
                                   code="model_not_found")
             del self.lora_requests[lora.lora_name]  # new requests cannot name it from here on
             await self.engine.remove_lora(lora.lora_name)  # its running requests finish with it
