@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream, Tracked
 from pagedllm.faults import as_exception, is_request_fault
+from pagedllm.lora.request import LoRANotFoundError, LoRARequest
 from pagedllm.metrics import EngineMetrics, StatsLogger
 from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, completions_of
 from pagedllm.sampling_params import SamplingParams
@@ -131,17 +132,19 @@ class AsyncEngine:
     # -- asyncio API ----------------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                           cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> RequestStream:
         """Submit a request; returns once the engine has accepted it (raises its ValueError otherwise).
         `prompt_token_ids`: the text prompt already tokenized, so the loop thread does not. `priority`: lower
-        first under the priority scheduling policy."""
+        first under the priority scheduling policy. `lora_request`: an adapter loaded by add_lora (or
+        preload_lora); LoRANotFoundError if it is not loaded any more."""
         if not self.is_running:
             raise EngineDeadError("engine is not running") from self.dead_error
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id or uuid.uuid4().hex, loop, accepted=loop.create_future(),
                                on_abandon=self.abort)
         arrival = time.monotonic()
-        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival, prompt_token_ids, priority))
+        self._post(lambda: self._do_add(stream, prompt, params, cache_salt, arrival, prompt_token_ids, priority,
+                                        lora_request))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -193,6 +196,28 @@ class AsyncEngine:
 
         self._post(run)
         return await fut
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.loras is not None  # (set once at construction: safe to read from any thread)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter (ValueError / InvalidModelError naming what is wrong with it): its files are read in a
+        worker thread, so that neither the event loop nor the engine's steps wait on the disk; then it is added
+        in the loop thread, between two steps."""
+        read = await asyncio.to_thread(self.engine.read_lora, lora_request)
+        await self.call(lambda e: e.add_lora(lora_request, read))
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter; its running requests finish with it. False if it is not loaded."""
+        return await self.call(lambda e: e.remove_lora(lora_name))
+
+    def preload_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter before start() (the server's --lora-modules): in this thread, as no loop runs yet."""
+        if self._thread is not None:
+            raise RuntimeError("preload_lora is for before start(); a running engine loads through add_lora")
+        self.engine.add_lora(lora_request)
 
     async def kv_cache_stats(self) -> dict:
         return await self.call(lambda e: e.kv_cache_stats())
@@ -324,14 +349,18 @@ class AsyncEngine:
 
     def _do_add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
                 cache_salt: str | None, arrival: float, prompt_token_ids: list[int] | None = None,
-                priority: int = 0) -> None:
+                priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         rid = stream.request_id
         try:
             if rid in self._tracked:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            tokenized = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
+            if lora_request is not None and lora_request not in self.engine.list_loras():
+                raise LoRANotFoundError(lora_request.lora_name)  # unloaded meanwhile: not loaded back on first use
+            extra: dict[str, Any] = {} if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids}
+            if lora_request is not None:
+                extra["lora_request"] = lora_request
             self.engine.add_request(rid, prompt, params, cache_salt=cache_salt, arrival_time=arrival, priority=priority,
-                                    **tokenized)
+                                    **extra)
         except BaseException as e:  # native panics included: they fail this request, not the engine loop
             if not is_request_fault(e):
                 raise

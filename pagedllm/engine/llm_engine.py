@@ -22,7 +22,7 @@ from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from pagedllm.core.step import RunnerOutput, SamplerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.disk_tier import make_disk_tier
-from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_salt
+from pagedllm.engine.lora_registry import LoRARegistry, ReadLoRA, lora_cache_salt
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.speculative import make_speculator
@@ -199,11 +199,19 @@ class LLMEngine:
             self.scheduler.add_request(req)
 
     # ---- LoRA adapters ---------------------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest):
-        """Load an adapter (once per name; LoadedLoRA). ValueError where LoRA is off or the adapter cannot load."""
+    def add_lora(self, lora_request: LoRARequest, read: ReadLoRA | None = None):
+        """Load an adapter (once per name; LoadedLoRA). ValueError where LoRA is off or the adapter cannot load.
+        read: its files as read_lora read them (else they are read here)."""
+        return self._lora_registry().resolve(lora_request, read)
+
+    def read_lora(self, lora_request: LoRARequest) -> ReadLoRA:
+        """Read and check an adapter's files for add_lora; safe from another thread while the engine steps."""
+        return self._lora_registry().read(lora_request)
+
+    def _lora_registry(self) -> LoRARegistry:
         if self.loras is None:
             raise ValueError("LoRA is not enabled on this engine (LLM(enable_lora=True), `--enable-lora`)")
-        return self.loras.resolve(lora_request)
+        return self.loras
 
     def remove_lora(self, name: str) -> bool:
         """Unload by name (its running requests finish with it); False if no such adapter is loaded."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.lora.adapter import load_adapter
+from pagedllm.lora.adapter import LoRAAdapter, load_adapter
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model.config import ModelConfig
@@ -26,6 +26,15 @@ class LoadedLoRA:
     key: int  # the runner's and the scheduler's id of this load (Request.lora_id)
     salt: str  # its prefix-cache key
     rank: int
+
+
+@dataclass
+class ReadLoRA:
+    """An adapter's files read and checked, not yet added (LoRARegistry.read: any thread may do it)."""
+
+    request: LoRARequest
+    adapter: LoRAAdapter
+    salt: str
 
 
 def lora_cache_salt(cache_salt: str | None, lora: LoadedLoRA | None) -> str | None:
@@ -54,8 +63,17 @@ class LoRARegistry:
         self._retired: set[int] = set()  # unloaded, weights kept until their last request ends
         self._keys = itertools.count(1)
 
-    def resolve(self, request: LoRARequest) -> LoadedLoRA:
-        """The adapter a request names, loaded on first use (ValueError / InvalidModelError if it cannot be)."""
+    def read(self, request: LoRARequest) -> ReadLoRA:
+        """Read and check an adapter's files (InvalidModelError naming what is wrong). It reads no state that
+        changes, so the server does it off the engine's thread and hands the result to resolve()."""
+        mgr = self.manager
+        adapter = load_adapter(request.lora_name, request.lora_path, self.config, mgr.targets, mgr.max_lora_rank,
+                               self.dtype)
+        return ReadLoRA(request, adapter, _digest(request.lora_path))
+
+    def resolve(self, request: LoRARequest, read: ReadLoRA | None = None) -> LoadedLoRA:
+        """The adapter a request names, loaded on first use (ValueError / InvalidModelError if it cannot be).
+        read: its files, already read (by read()) for this request."""
         if not isinstance(request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         known = self.loaded.get(request.lora_name)
@@ -68,11 +86,10 @@ class LoRARegistry:
         clash = next((lo for lo in self.loaded.values() if lo.request.lora_int_id == request.lora_int_id), None)
         if clash is not None:
             raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter {clash.request.lora_name!r}")
-        mgr = self.manager
-        adapter = load_adapter(request.lora_name, request.lora_path, self.config, mgr.targets, mgr.max_lora_rank,
-                               self.dtype)
-        lora = LoadedLoRA(request, next(self._keys), _digest(request.lora_path), adapter.rank)
-        mgr.add(lora.key, adapter)
+        if read is None or read.request != request:
+            read = self.read(request)
+        lora = LoadedLoRA(request, next(self._keys), read.salt, read.adapter.rank)
+        self.manager.add(lora.key, read.adapter)
         self.loaded[request.lora_name] = lora
         return lora
 

@@ -23,3 +23,12 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError("lora_path must be a non-empty path")
+
+
+class LoRANotFoundError(LookupError):
+    """A request names an adapter the engine does not hold (the server's: unloaded while the request was on its
+    way; a server never loads an adapter on first use, only through its load endpoint or --lora-modules)."""
+
+    def __init__(self, lora_name: str) -> None:
+        super().__init__(lora_name)
+        self.lora_name = lora_name

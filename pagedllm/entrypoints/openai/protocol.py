@@ -42,12 +42,24 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
+    root: str | None = None  # what it was loaded from (an adapter: its path), as vLLM's
+    parent: str | None = None  # a LoRA adapter's base model id
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str | None = None
+    lora_int_id: int | None = None
 
 
 # --- shared pieces -------------------------------------------------------------------------------------------

@@ -45,6 +45,13 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, add_embedding_routes
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
+from pagedllm.entrypoints.openai.serving_models import (
+    LoRAModuleError,
+    LoRAModulePath,
+    OpenAIServingModels,
+    add_lora_routes,
+    parse_lora_module,
+)
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -72,26 +79,27 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
               docs: bool | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               request_body_timeout: float = DEFAULT_BODY_TIMEOUT, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
-              **engine_options: Any) -> FastAPI:
+              lora_modules: list[LoRAModulePath] | None = None, **engine_options: Any) -> FastAPI:
     """The app for `engine`. Given EngineArgs, the app builds and owns its engine (shut down with the app;
     engine_options go to AsyncEngine: log_stats_interval, log_requests, log_prompts); given an AsyncEngine (or
     another client with its interface, e.g. the data-parallel one), the caller owns it (the app only starts it)
     unless owns_engine=True. served_model_name: the ids clients may use (the first is reported).
     chat_template: template text used when a request names none; a request's own `chat_template` is refused unless
-    trust_request_chat_template. allowed_origins: CORS."""
+    trust_request_chat_template. allowed_origins: CORS. lora_modules: LoRA adapters loaded now, before the engine
+    starts (LoRAModuleError for one that cannot; the engine must have LoRA enabled), served under their names."""
     if owns_engine is None:
         owns_engine = isinstance(engine, EngineArgs)
     async_engine = (AsyncEngine.from_engine_args(engine, **engine_options) if isinstance(engine, EngineArgs)
                     else engine)
-    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [async_engine.model_name]
-    name = names[0]
+    models = OpenAIServingModels(async_engine, served_model_name, lora_modules)
+    models.init_static_loras()
+    names, name = models.base_model_names, models.model_name
     gate = ShutdownGate()  # closed by lifecycle.Server at the graceful-shutdown deadline
     preprocess = PromptPreprocessor.for_engine(async_engine)
-    completion = OpenAIServingCompletion(async_engine, names, preprocess=preprocess, gate=gate)
-    chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
-    tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)
-    embedding = OpenAIServingEmbedding(async_engine, names, preprocess=preprocess, gate=gate)
+    completion = OpenAIServingCompletion(async_engine, models, preprocess=preprocess, gate=gate)
+    chat = OpenAIServingChat(async_engine, models, preprocess=preprocess, gate=gate)
+    tokens = OpenAIServingTokens(async_engine, models, preprocess=preprocess, gate=gate)
+    embedding = OpenAIServingEmbedding(async_engine, models, preprocess=preprocess, gate=gate)
     for serving in (chat, tokens):
         serving.default_chat_template = chat_template
         serving.trust_request_chat_template = trust_request_chat_template
@@ -162,13 +170,12 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=n, max_model_len=async_engine.max_model_len) for n in names])
+    async def list_models() -> ModelList:
+        return ModelList(data=models.model_cards())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        completion.check_model(model_id)
-        return ModelCard(id=model_id if model_id in names else name, max_model_len=async_engine.max_model_len)
+        return models.model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -182,6 +189,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     add_messages_routes(app, messages)
     add_extra_routes(app, tokens)
     add_embedding_routes(app, embedding)
+    add_lora_routes(app, models)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
 
@@ -211,6 +219,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_RESPONSES,
                         help="responses kept for GET /v1/responses/{id} and previous_response_id (least recently "
                              "used dropped first; 0: none)")
+    parser.add_argument("--lora-modules", action="extend", nargs="+", default=None, type=_lora_module,
+                        metavar="NAME=PATH",
+                        help="LoRA adapters to serve, loaded at start-up (implies --enable-lora): name=path (a PEFT "
+                             "directory or a GGUF LoRA file) or JSON '{\"name\": ..., \"path\": ..., "
+                             "\"base_model_name\": ...}'; a request picks one by its `model`")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt length, parameters and finish reasons")
     parser.add_argument("--log-prompts", action="store_true",
@@ -226,6 +239,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser, positional_model=True, threads=False)  # --threads comes with the next
     DataParallelArgs.add_cli_args(parser)
     return parser
+
+
+def _lora_module(value: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _origins(value: str) -> list[str]:
@@ -258,19 +278,27 @@ def serve_main(args: argparse.Namespace) -> None:
     api_keys = (args.api_key or []) + ([env_key] if env_key else [])
     origins = [o for group in args.allowed_origins or [] for o in group]
     engine: EngineArgs | Any = EngineArgs.from_cli_args(args)
+    if args.lora_modules:
+        engine.enable_lora = True  # as a convenience: adapters to serve need LoRA on
     dp = DataParallelArgs.from_cli_args(args)
+    if dp.enabled and engine.enable_lora:
+        raise SystemExit("pagedllm serve: error: LoRA adapters (--enable-lora, --lora-modules) are not supported "
+                         "with data-parallel serving yet (--data-parallel-size / --ray-address)")
     if dp.enabled:  # N replicas on Ray; only then is Ray imported
         from pagedllm.distributed.client import DataParallelEngine
 
         engine = DataParallelEngine(engine, dp)
-    app = build_app(engine, api_key=api_keys or None, served_model_name=args.served_model_name, owns_engine=True,
-                    allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
-                    trust_request_chat_template=args.trust_request_chat_template,
-                    log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                    log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
-                    max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout,
-                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                    max_stored_responses=args.max_stored_responses)
+    try:  # a bad --lora-modules adapter: one line, as a bad model
+        app = build_app(engine, api_key=api_keys or None, served_model_name=args.served_model_name, owns_engine=True,
+                        allowed_origins=origins or None, chat_template=read_chat_template(args.chat_template),
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                        log_requests=args.enable_log_requests, log_prompts=args.log_prompts, docs=args.docs,
+                        max_request_body_bytes=args.max_request_body_bytes, request_body_timeout=args.request_body_timeout,
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                        max_stored_responses=args.max_stored_responses, lora_modules=args.lora_modules)
+    except LoRAModuleError as e:
+        raise SystemExit(f"pagedllm serve: error: {e}") from None
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, **uvicorn_limits(args))
     Server(config, app.state.shutdown_gate).run()

@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.output_parser import (
 )
 from pagedllm.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, model_not_found
 from pagedllm.entrypoints.openai.streams import (
     SSE_DONE,
     ChoiceDelta,
@@ -40,6 +41,7 @@ from pagedllm.entrypoints.openai.streams import (
 )
 from pagedllm.entrypoints.openai.structured import requested_structure
 from pagedllm.entrypoints.openai.validation import check_unicode
+from pagedllm.lora.request import LoRANotFoundError, LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -169,14 +171,15 @@ class OpenAIServing:
     request_params: ClassVar[set[str]]  # the endpoint's field names (errors name them)
     stream_model: ClassVar[type[BaseModel]]  # the endpoint's chunk: id, created, model, choices, usage
 
-    def __init__(self, engine: AsyncEngine, served_model_names: str | list[str], *,
+    def __init__(self, engine: AsyncEngine, models: OpenAIServingModels | str | list[str], *,
                  preprocess: PromptPreprocessor | None = None, gate: ShutdownGate | None = None) -> None:
+        """models: what the server serves (shared by the endpoints: adapters load and unload at run time), or
+        the base model's served names alone."""
         self.engine = engine
         self.preprocess = preprocess or PromptPreprocessor.for_engine(engine)
         self.gate = gate  # closed at the graceful-shutdown deadline: running responses end themselves
-        names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
-        self.served_model_names = names or [engine.model_name]
-        self.served_model_name = self.served_model_names[0]
+        self.models = models if isinstance(models, OpenAIServingModels) else OpenAIServingModels(engine, models)
+        self.served_model_name = self.models.model_name
         self.default_chat_template: str | None = None  # --chat-template; a request's own wins, if trusted
         self.trust_request_chat_template = False  # --trust-request-chat-template
         self._warned_fields: set[str] = set()
@@ -236,7 +239,7 @@ class OpenAIServing:
         """Validate a request, render its prompts and add them to the engine: the part every API shares."""
         check_unicode(req)
         self.warn_unknown_fields(req)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         try:
             params = req.to_sampling_params(getattr(self.engine, "generation_defaults", None))
         except ValueError as e:
@@ -251,7 +254,7 @@ class OpenAIServing:
         except ValueError as e:  # GrammarError included: its message starts with the field at fault
             raise bad_request(e, self.request_params) from e
         return call, await self.submit(prompts, params, call.request_id, req.cache_salt, self.request_params,
-                                       getattr(req, "priority", 0))
+                                       getattr(req, "priority", 0), lora_request=lora)
 
     def event_stream(self, body: AsyncIterator[str], on_error: Callable[[BaseException], str],
                      done: str = SSE_DONE) -> Response:
@@ -311,9 +314,9 @@ class OpenAIServing:
             yield sse(self.stream_chunk(call, usage=usage).model_dump(mode="json"))
         yield SSE_DONE
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (*self.served_model_names, self.engine.model_name):
-            raise OpenAIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 for a model not served."""
+        return self.models.lora_request(model)
 
     def check_token_ids(self, ids: list[int]) -> None:
         # the engine checks the ids against the model's vocabulary at add time
@@ -322,21 +325,26 @@ class OpenAIServing:
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams | PoolingParams, base_id: str,
                      cache_salt: str | None, known_params: set[str], priority: int = 0,
-                     param: str | None = None) -> list[RequestStream]:
+                     param: str | None = None, lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Tokenize every prompt (off the loops), then add them; on any rejection abort those already added
-        and raise the OpenAI error. param: the field the prompts came from (errors name it)."""
+        and raise the OpenAI error. param: the field the prompts came from (errors name it). lora_request: the
+        adapter they run with (check_model's)."""
         streams: list[RequestStream] = []
         param = param or ("messages" if "messages" in known_params else "prompt")  # chat: the templated conversation
         pooling = isinstance(params, PoolingParams)  # an embedding's prompt may fill the context, or be truncated
         limits = {"prefill_only": True, "truncating": params.truncate_prompt_tokens is not None} if pooling else {}
+        lora = {} if lora_request is None else {"lora_request": lora_request}
         try:
             tokenized = [await self.preprocess.tokenize(p, param, **limits) for p in prompts]
             for i, (p, kw) in enumerate(zip(prompts, tokenized, strict=True)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.engine.add_request(p, params, rid, cache_salt, priority=priority, **kw))
+                streams.append(await self.engine.add_request(p, params, rid, cache_salt, priority=priority, **kw,
+                                                             **lora))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)
+            if isinstance(e, LoRANotFoundError):  # unloaded while this request was on its way
+                raise model_not_found(e.lora_name) from e
             if isinstance(e, ValueError):
                 err = bad_request(e, known_params | {"prompt"})
                 if err.param == "prompt" and param != "prompt":

@@ -77,7 +77,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, req: EmbeddingRequest, raw: Request) -> Response:  # type: ignore[override]
         check_unicode(req)
         self.warn_unknown_fields(req)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=req.truncate_prompt_tokens)
         try:
@@ -87,7 +87,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = input_prompts(req.input)
         request_id = req.request_id or random_id(self.id_prefix)
         streams = await self.submit(prompts, params, request_id, None, self.request_params, req.priority,
-                                    param="input")
+                                    param="input", lora_request=lora)
         finals = await self.finish(raw, streams)
         if isinstance(finals, Response):
             return finals
