@@ -33,6 +33,7 @@ BENCHES: dict[str, str] = {
     "kv-store": "stores for the prefix cache's disk tier",
     "fuzz": "hostile GGUF files and chat templates for N minutes",
     "perplexity": "perplexity as stored, dequantized and with llama.cpp",
+    "lora": "a batch mixing LoRA adapters and the base model against the base model alone",
 }
 # worker entry points the benches start as subprocesses (not listed in the help)
 WORKERS = ("peers", "offline-stream")

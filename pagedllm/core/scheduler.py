@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedllm.core.admission import check_fits
 from pagedllm.core.beam_search import BeamStep
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_cache_utils import cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.step import SamplerOutput, SequenceUpdate
 
@@ -118,48 +118,9 @@ class Scheduler:
         return self.kv.capacity_tokens(self.config.max_num_batched_tokens, self.config.max_model_len)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None = None, *, prefill_only: bool = False) -> int:
-        """Reject at add time what could never run (instead of letting it wait, or stall the queue, forever).
-        Returns the number of tokens the request may generate: max_tokens, or with max_tokens None as many as
-        the context and the cache can hold (the request then finishes with "length" at capacity). prefill_only
-        (pooling): the prompt may fill the whole context, and nothing is generated."""
-        max_len = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least one token")
-        if prefill_only and num_prompt_tokens > max_len:
-            raise ValueError(f"prompt is {num_prompt_tokens} tokens, more than max_model_len={max_len}; set "
-                             f"truncate_prompt_tokens to keep its last tokens")
-        if num_prompt_tokens >= max_len and not prefill_only:
-            raise ValueError(
-                f"prompt is {num_prompt_tokens} tokens, which leaves no room to generate within "
-                f"max_model_len={max_len}")
-        if self.kv.kv_layout == "contiguous" and cdiv(max_len, self.kv.block_size) > self.kv.num_blocks:
-            raise ValueError(
-                f"the contiguous layout reserves {cdiv(max_len, self.kv.block_size)} KV blocks per request but "
-                f"the cache has only {self.kv.num_blocks}; raise kv_cache_memory or num_kv_blocks")
-        capacity = self.capacity_tokens()
-        if prefill_only:
-            if num_prompt_tokens > capacity:
-                raise ValueError(f"prompt of {num_prompt_tokens} tokens needs more KV slots than the whole cache holds "
-                                 f"({capacity}); raise kv_cache_memory or num_kv_blocks")
-            return 0
-        # The last generated token never needs a slot: prompt + max_tokens - 1 slots at most.
-        room = min(max_len - num_prompt_tokens, capacity + 1 - num_prompt_tokens)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens needs "
-                f"{self.kv.request_blocks(num_prompt_tokens, self.config.max_num_batched_tokens)} KV blocks but the "
-                f"cache has only {self.kv.num_blocks} of {self.kv.block_size} tokens; raise kv_cache_memory or "
-                f"num_kv_blocks")
-        if max_tokens is None:
-            return room
-        max_tokens = min(max_tokens, max_len - num_prompt_tokens)
-        if num_prompt_tokens + max_tokens - 1 > capacity:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
-                f"{num_prompt_tokens + max_tokens - 1} KV slots but the whole cache holds {capacity} "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size}); lower max_tokens to at most {room} "
-                f"or raise kv_cache_memory / num_kv_blocks")
-        return max_tokens
+        """What a request may generate, or ValueError for one that could never run (core/admission.py)."""
+        return check_fits(self.config.max_model_len, self.config.max_num_batched_tokens, self.kv,
+                          self.capacity_tokens(), num_prompt_tokens, max_tokens, prefill_only=prefill_only)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; its grammar matcher is made here from `new_grammar` (as each forked sample's is)."""

@@ -19,9 +19,10 @@ from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.kv_groups import plan_kv_groups
 from pagedllm.core.request import Grammar, Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from pagedllm.core.step import RunnerOutput, SamplerOutput
+from pagedllm.core.step import RunnerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
 from pagedllm.engine.disk_tier import make_disk_tier
+from pagedllm.engine.fault_isolation import execute_isolating_faults
 from pagedllm.engine.lora_registry import LoRARegistry, ReadLoRA, lora_cache_salt
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
@@ -88,8 +89,8 @@ class LLMEngine:
         # the pooling runner: how prompts' hidden states become embeddings (None: the engine generates)
         self.pooling_config = resolve_pooling_config(self.model_path) if args.runner == "pooling" else None
         self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
-        lora = LoRAManager(loaded.model, args.max_loras, args.max_lora_rank, dtype) if args.enable_lora else None
-        self.loras = None if lora is None else LoRARegistry(lora, cfg, dtype, self._runs_adapter)
+        lora = LoRAManager(loaded.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
+        self.loras = None if lora is None else LoRARegistry(lora, cfg, self._runs_adapter)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks=num_blocks, block_size=args.block_size,
                                   kv_dtype=self.kv_dtype, attention_backend=args.attention_backend,
                                   batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed,
@@ -362,11 +363,8 @@ class LLMEngine:
         return self.runner.execute(scheduled, block_copies, self._token_bitmask(scheduled))
 
     def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[RunnerOutput, list[RequestState]]:
-        """Run the step. If it fails, rerun its requests in halves (K/V writes are idempotent: same tokens, same
-        slots) until each failing request runs alone, so only the requests that fail by themselves fail. A request
-        whose logits are not finite (NaN or infinity: overflowing weights or activations) fails too, rather than
-        sampling token 0. Returns the step's rows (a failed entry's rows are placeholders: its sequences are
-        aborted, so the scheduler skips them) and the failed requests (aborted, blocks freed)."""
+        """The step's rows, with the requests that failed it by themselves (engine/fault_isolation.py) aborted
+        (blocks freed; their rows are placeholders the scheduler skips)."""
         failed: dict[str, str] = {}
 
         def fail(entry: ScheduledRequest, error: str) -> None:
@@ -374,41 +372,9 @@ class LLMEngine:
             if found is not None:
                 failed[found[0].request_id] = error
 
-        def check_finite(group: list[ScheduledRequest], result: RunnerOutput) -> None:
-            for i in result.nonfinite:
-                logger.error("request %s: its logits are not finite", group[i].request.request_id)
-                fail(group[i], "model step failed: the model's logits for this request are not finite (NaN or "
-                               "infinity): its weights or activations overflowed")
-
-        try:
-            result = self._execute(out.scheduled, out.block_copies)
-        except Exception:
-            logger.exception("model step of %d requests failed; retrying them in smaller groups", len(out.scheduled))
-        else:
-            check_finite(out.scheduled, result)
-            return result, [st for st in (self._abort(rid, err) for rid, err in failed.items()) if st is not None]
-        done: dict[int, tuple[RunnerOutput, int]] = {}  # id(entry) -> the output of its group, its first row
-
-        def run(group: list[ScheduledRequest]) -> None:
-            try:
-                result = self._execute(group, out.block_copies)
-            except Exception as e:
-                if len(group) > 1:
-                    run(group[:len(group) // 2])
-                    run(group[len(group) // 2:])
-                    return
-                logger.exception("request %s fails the model step alone", group[0].request.request_id)
-                fail(group[0], f"model step failed: {type(e).__name__}: {e}")
-                return
-            check_finite(group, result)
-            row = 0
-            for s in group:
-                done[id(s)] = (result, row)
-                row += s.num_rows
-
-        run(out.scheduled)
+        result = execute_isolating_faults(lambda group: self._execute(group, out.block_copies), out.scheduled, fail)
         states = [self._abort(rid, error) for rid, error in failed.items()]  # the scheduler skips them now
-        return _merge_rows(out.scheduled, done), [st for st in states if st is not None]
+        return result, [st for st in states if st is not None]
 
     # ---- introspection ---------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -479,27 +445,3 @@ class LLMEngine:
             stats.update(self.disk_tier.stats())
         return stats
 
-
-def _merge_rows(scheduled: list[ScheduledRequest], done: dict[int, tuple[RunnerOutput, int]]) -> RunnerOutput:
-    """One RunnerOutput from the groups of a retried step, in scheduled order; an entry that failed gets
-    placeholder rows (its sequences are aborted)."""
-    merged = RunnerOutput()
-    sampled = merged.sampled = SamplerOutput([], [], [], [], [])
-    with_logprobs = False
-    for s in scheduled:
-        result, first = done.get(id(s), (None, 0))
-        if result is not None:
-            merged.prompt_logprobs.update(result.prompt_logprobs)
-            merged.pooled.update(result.pooled)
-        for r in range(first, first + s.num_rows):
-            src = result.sampled if result is not None else None
-            sampled.token_ids.append(src.token_ids[r] if src is not None else -1)
-            has = src is not None and src.logprobs is not None
-            with_logprobs |= has
-            sampled.logprobs.append(src.logprobs[r] if has else 0.0)
-            sampled.ranks.append(src.ranks[r] if has else 0)
-            sampled.top_ids.append(src.top_ids[r] if has and src.top_ids is not None else [])
-            sampled.top_logprobs.append(src.top_logprobs[r] if has and src.top_logprobs is not None else [])
-    if not with_logprobs:
-        sampled.logprobs = sampled.ranks = sampled.top_ids = sampled.top_logprobs = None
-    return merged

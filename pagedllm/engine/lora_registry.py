@@ -12,8 +12,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from pagedllm.lora.adapter import LoRAAdapter, load_adapter
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.request import LoRARequest
@@ -55,10 +53,9 @@ def _digest(path: str) -> str:
 
 
 class LoRARegistry:
-    def __init__(self, manager: LoRAManager, config: ModelConfig, dtype: torch.dtype,
-                 in_use: Callable[[int], bool]) -> None:
+    def __init__(self, manager: LoRAManager, config: ModelConfig, in_use: Callable[[int], bool]) -> None:
         """in_use(key): whether a live request runs that adapter (an unloaded adapter's weights go once not)."""
-        self.manager, self.config, self.dtype, self.in_use = manager, config, dtype, in_use
+        self.manager, self.config, self.in_use = manager, config, in_use
         self.loaded: dict[str, LoadedLoRA] = {}  # by name
         self._retired: set[int] = set()  # unloaded, weights kept until their last request ends
         self._keys = itertools.count(1)
@@ -67,8 +64,7 @@ class LoRARegistry:
         """Read and check an adapter's files (InvalidModelError naming what is wrong). It reads no state that
         changes, so the server does it off the engine's thread and hands the result to resolve()."""
         mgr = self.manager
-        adapter = load_adapter(request.lora_name, request.lora_path, self.config, mgr.targets, mgr.max_lora_rank,
-                               self.dtype)
+        adapter = load_adapter(request.lora_name, request.lora_path, self.config, mgr.targets, mgr.max_lora_rank)
         return ReadLoRA(request, adapter, _digest(request.lora_path))
 
     def resolve(self, request: LoRARequest, read: ReadLoRA | None = None) -> LoadedLoRA:

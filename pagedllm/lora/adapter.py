@@ -30,7 +30,7 @@ from pagedllm.model.errors import InvalidModelError
 from pagedllm.model.linear import Linear
 from pagedllm.model.weight_names import ALL, expand
 
-# linear path ("layers.3.attn.qkv") -> {shard: (A [r, in], B [shard rows, r] scaled)}
+# linear path ("layers.3.attn.qkv") -> {shard: (A [r, in], B [shard rows, r] scaled)}, float32
 LoRAWeights = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
@@ -46,8 +46,7 @@ class LoRAAdapter:
 _Pair = tuple[str, torch.Tensor, torch.Tensor, float]
 
 
-def load_adapter(name: str, path: str, cfg: ModelConfig, targets: dict[str, Linear], max_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
+def load_adapter(name: str, path: str, cfg: ModelConfig, targets: dict[str, Linear], max_rank: int) -> LoRAAdapter:
     """The adapter at `path` for a model of `cfg` whose LoRA layers are `targets` (path -> Linear).
     InvalidModelError naming the file and what is wrong with it."""
     spec = registry.spec(cfg.architecture)
@@ -82,8 +81,7 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, targets: dict[str, Line
         pieces = enumerate(b.split(lin.output_sizes)) if shard == ALL else [(shard or 0, b)]
         for k, piece in pieces:
             order = lin.row_orders[k] if lin.row_orders else None
-            weights.setdefault(lin_path, {})[k] = (a.to(dtype).contiguous(),
-                                                   (piece if order is None else piece[order]).to(dtype).contiguous())
+            weights.setdefault(lin_path, {})[k] = (a.float(), piece if order is None else piece[order])
         rank = max(rank, r)
     if lacking:
         shown = ", ".join(lacking[:4]) + (f" (+{len(lacking) - 4} more)" if len(lacking) > 4 else "")

@@ -1,15 +1,12 @@
-"""A Linear's LoRA slots, and the batch's adapter rows they read: Punica's batched LoRA (S-LoRA's unified pages
-aside) done with two dense GEMMs per layer on a CPU.
+"""A Linear's LoRA slots, and the batch's adapter rows they read: Punica's batched LoRA (SGMV) for a CPU.
 
-Each Linear that takes LoRA holds every slot's A and B stacked: A [slots x C, in], B [out, slots x C], where a
-slot's C columns hold its shards' ranks side by side (shard k at k x max_rank), zeros elsewhere. A step computes
-u = x A^T for its adapter rows (every slot at once), zeroes in each row the columns of the other slots, and adds
-u B^T: the base GEMM ran once for every row, each adapter's low-rank product applies to its own rows only.
-
-One row, one answer: a row's u columns are its own dot products, and its other slots' columns are exact zeros, so
-the second GEMM's sum for it holds the same non-zero terms in the same lanes whichever slot its adapter sits in
-and whatever the other slots hold (C is a multiple of 32: the batch-invariant GEMM's lane pattern, kernels/csrc/
-gemm.cpp, repeats every 16 fp32 / 32 bf16 columns). A base-model row in a mixed batch gets nothing added.
+Each Linear that takes LoRA holds every slot's adapter: A [slots, C, in] and B transposed [slots, C, out] in fp32,
+where C = shards x max_rank (shard k's ranks at k x max_rank, its B rows over that shard's output columns only),
+and per (slot, rank) the output columns it writes (lo, hi; empty for an unused rank). One kernel call per layer
+(csrc/lora.cpp: lora_apply) adds B A x to every row that has an adapter, each row with its own slot's weights: the
+base GEMM ran once for all rows, each adapter's low-rank product runs on its own rows only, and a row is computed
+by itself, so its result does not depend on the rest of the batch or on which slot its adapter sits in. A
+base-model row (slot -1) gets nothing added. Without the kernel (no C++ build), torch does the same per slot.
 """
 
 from __future__ import annotations
@@ -21,18 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.model.layers import linear
-
-_ALIGN = 32  # a slot's columns: whole lanes of the invariant GEMM (fp32: 16, bf16 pairs: 32)
+from pagedllm.kernels import kernel_op
 
 
 @dataclass
 class LoRABatch:
-    """The adapter rows of one forward: `rows` (indices of the rows that have an adapter; None: every row), and
-    `onehot` [len(rows), slots] of the compute dtype, 1 at each row's slot."""
+    """The adapters of one forward's rows: `row_slot` [rows] int64 (-1: the base model), and the slots used."""
 
-    rows: torch.Tensor | None
-    onehot: torch.Tensor
+    row_slot: torch.Tensor
     slots: frozenset[int]
 
 
@@ -49,49 +42,46 @@ def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
         _current.reset(token)
 
 
-def make_batch(row_slots: list[int], num_slots: int, dtype: torch.dtype) -> LoRABatch | None:
-    """row_slots: per row, its adapter's slot, or -1 for the base model."""
-    with_adapter = [i for i, s in enumerate(row_slots) if s >= 0]
-    if not with_adapter:
-        return None
-    slots = torch.tensor([row_slots[i] for i in with_adapter], dtype=torch.int64)
-    onehot = torch.zeros(len(with_adapter), num_slots, dtype=dtype)
-    onehot[torch.arange(len(with_adapter)), slots] = 1
-    rows = None if len(with_adapter) == len(row_slots) else torch.tensor(with_adapter, dtype=torch.int64)
-    return LoRABatch(rows, onehot, frozenset(slots.tolist()))
+def make_batch(row_slots: list[int]) -> LoRABatch | None:
+    """row_slots: per row, its adapter's slot, or -1 for the base model (None: no row has an adapter)."""
+    slots = frozenset(s for s in row_slots if s >= 0)
+    return LoRABatch(torch.tensor(row_slots, dtype=torch.int64), slots) if slots else None
 
 
 class LoRAStack:
     """The LoRA slots of one Linear (input_size -> output_sizes shards)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], num_slots: int, max_rank: int,
-                 dtype: torch.dtype) -> None:
-        self.output_sizes = output_sizes
-        self.num_slots, self.max_rank = num_slots, max_rank
-        self.cols = -(-len(output_sizes) * max_rank // _ALIGN) * _ALIGN
-        self.a = torch.zeros(num_slots * self.cols, input_size, dtype=dtype)
-        self.b = torch.zeros(sum(output_sizes), num_slots * self.cols, dtype=dtype)
+    def __init__(self, input_size: int, output_sizes: list[int], num_slots: int, max_rank: int) -> None:
+        self.output_sizes, self.max_rank = output_sizes, max_rank
+        ranks = len(output_sizes) * max_rank
+        self.a = torch.zeros(num_slots, ranks, input_size)
+        self.bt = torch.zeros(num_slots, ranks, sum(output_sizes))
+        self.lo = torch.zeros(num_slots, ranks, dtype=torch.int32)
+        self.hi = torch.zeros(num_slots, ranks, dtype=torch.int32)
         self.filled: set[int] = set()  # slots holding a non-empty adapter for this layer
 
     def set_slot(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        """Put an adapter's (A, B) per shard into `slot` (None or {}: the slot adds nothing here)."""
-        base = slot * self.cols
-        self.a[base:base + self.cols].zero_()
-        self.b[:, base:base + self.cols].zero_()
+        """Put an adapter's (A [r, in], B [shard rows, r]) per shard into `slot` (None or {}: it adds nothing)."""
+        for t in (self.a, self.bt, self.lo, self.hi):
+            t[slot].zero_()
         self.filled.discard(slot)
         for k, (a, b) in (shards or {}).items():
-            col, row = base + k * self.max_rank, sum(self.output_sizes[:k])
-            self.a[col:col + a.shape[0]] = a
-            self.b[row:row + b.shape[0], col:col + a.shape[0]] = b
+            c, r, col = k * self.max_rank, a.shape[0], sum(self.output_sizes[:k])
+            self.a[slot, c:c + r] = a.float()
+            self.bt[slot, c:c + r, col:col + b.shape[0]] = b.float().T
+            self.lo[slot, c:c + r], self.hi[slot, c:c + r] = col, col + b.shape[0]
             self.filled.add(slot)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out (x's base projection) plus each adapter row's low-rank product."""
+        """out (x's base projection) plus each adapter row's low-rank product, in place."""
         batch = _current.get()
         if batch is None or not (batch.slots & self.filled):
             return out
-        xs = x if batch.rows is None else x.index_select(0, batch.rows)
-        u = linear(xs, self.a)
-        u.view(len(xs), self.num_slots, self.cols).mul_(batch.onehot.unsqueeze(-1))
-        delta = linear(u, self.b)
-        return out.add_(delta) if batch.rows is None else out.index_add_(0, batch.rows, delta)
+        op = kernel_op("lora_apply")
+        if op is not None and x.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous():
+            op(out, x.contiguous(), self.a, self.bt, self.lo, self.hi, batch.row_slot)
+            return out
+        for s in batch.slots & self.filled:
+            rows = (batch.row_slot == s).nonzero().squeeze(1)
+            out.index_add_(0, rows, ((x[rows].float() @ self.a[s].T) @ self.bt[s]).to(out.dtype))
+        return out

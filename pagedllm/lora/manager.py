@@ -11,7 +11,6 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from pagedllm.lora.adapter import LoRAAdapter
@@ -26,13 +25,13 @@ def lora_targets(model: nn.Module) -> dict[str, Linear]:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
-        self.max_loras, self.max_lora_rank, self.dtype = max_loras, max_lora_rank, dtype
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.targets = lora_targets(model)
         for lin in self.targets.values():
-            lin.lora = LoRAStack(lin.input_size, lin.output_sizes, max_loras, max_lora_rank, dtype)
+            lin.lora = LoRAStack(lin.input_size, lin.output_sizes, max_loras, max_lora_rank)
         # the fused C++ layer reads the base weights only: with LoRA on, every batch runs the torch layers, so
         # a base-model row computes the same way whether or not adapter rows share its batch
         model.fused_layers = False
@@ -60,8 +59,7 @@ class LoRAManager:
         for a in wanted:
             self._place(a, wanted)
         slot = {a: self._slots[a] for a in wanted}
-        with lora_batch(make_batch([-1 if a is None else slot[a] for a in row_adapters], self.max_loras,
-                                   self.dtype)):
+        with lora_batch(make_batch([-1 if a is None else slot[a] for a in row_adapters])):
             yield
 
     def _place(self, adapter_id: int, wanted: set[int]) -> None:
