@@ -80,7 +80,7 @@ def make_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides) -> 
     cfg_name, model_name, tok_kind = ENCODERS[kind]
     tokenizer = wordpiece_tokenizer() if tok_kind == "wordpiece" else unigram_tokenizer()
     kw = dict(vocab_size=len(tokenizer), hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-              intermediate_size=96, max_position_embeddings=96, pad_token_id=tokenizer.pad_token_id,
+              intermediate_size=96, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
               type_vocab_size=2 if tok_kind == "wordpiece" else 1)
     if kind.endswith("-cls"):
         kw["num_labels"] = 1
@@ -91,17 +91,21 @@ def make_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides) -> 
     return Path(path)
 
 
-# ---- NomicBERT: transformers has no class of its own (the hub's is remote code), so the checkpoint is written here
+# ---- NomicBERT: the hub's checkpoints are remote code's (GPT-2 config names: n_embd, ...); transformers 5 has a class of
+# its own, which reads the hub's tensor names but BERT's config names: the tiny config carries both, as one shape
 NOMIC_CONFIG = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
                 "causal": False, "prenorm": False, "qkv_proj_bias": False, "mlp_fc1_bias": False,
                 "mlp_fc2_bias": False, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
                 "rotary_emb_scale_base": None, "rotary_emb_base": 1000, "n_positions": 8192,
                 "max_trained_positions": 2048, "layer_norm_epsilon": 1e-12, "type_vocab_size": 2,
-                "n_embd": 48, "n_head": 4, "n_layer": 2, "n_inner": 96, "pad_token_id": 0}
+                "n_embd": 48, "n_head": 4, "n_layer": 2, "n_inner": 96, "pad_token_id": 0,
+                "hidden_size": 48, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
+                "layer_norm_eps": 1e-12, "max_position_embeddings": 2048,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}
 
 
 def make_nomic(path: Path, seed: int = 0) -> Path:
-    """A random NomicBERT checkpoint in the hub's layout (config keys and tensor names of nomic-embed-text)."""
+    """A random NomicBERT checkpoint in the hub's layout (tensor names of nomic-embed-text)."""
     from safetensors.torch import save_file
 
     tokenizer = wordpiece_tokenizer()
@@ -129,37 +133,6 @@ def make_nomic(path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
-def nomic_reference(path: Path, ids: list[int]) -> torch.Tensor:
-    """NomicBERT's forward as nomic's own code computes it (post-norm layers, rotate-half RoPE on q and k, SwiGLU
-    as fc2(fc11(x) * silu(fc12(x))), no biases): the last hidden state [T, H] of one sequence, in float64."""
-    from safetensors.torch import load_file
-
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    w = {k: v.double() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
-    h, heads, eps = cfg["n_embd"], cfg["n_head"], cfg["layer_norm_epsilon"]
-    d = h // heads
-    x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.token_type_embeddings.weight"][0]
-    x = torch.nn.functional.layer_norm(x, (h,), w["emb_ln.weight"], w["emb_ln.bias"], eps)
-    inv_freq = 1.0 / cfg["rotary_emb_base"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = torch.arange(len(ids), dtype=torch.float64)[:, None] * inv_freq[None]
-    cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
-
-    def rope(t: torch.Tensor) -> torch.Tensor:
-        return t * cos + torch.cat((-t[..., d // 2:], t[..., :d // 2]), -1) * sin
-
-    for i in range(cfg["n_layer"]):
-        p = f"encoder.layers.{i}."
-        q, k, v = (x @ w[p + "attn.Wqkv.weight"].T).view(len(ids), 3, heads, d).unbind(1)
-        q, k = rope(q), rope(k)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5, -1)
-        o = torch.einsum("hqk,khd->qhd", att, v).reshape(len(ids), h) @ w[p + "attn.out_proj.weight"].T
-        x = torch.nn.functional.layer_norm(x + o, (h,), w[p + "norm1.weight"], w[p + "norm1.bias"], eps)
-        up = (x @ w[p + "mlp.fc11.weight"].T) * torch.nn.functional.silu(x @ w[p + "mlp.fc12.weight"].T)
-        x = torch.nn.functional.layer_norm(x + up @ w[p + "mlp.fc2.weight"].T, (h,), w[p + "norm2.weight"],
-                                           w[p + "norm2.bias"], eps)
-    return x
-
-
 # ---- llama.cpp's converter ------------------------------------------------------------------------------------
 _CONVERT = """
 import runpy, sys
@@ -167,20 +140,22 @@ sys.path.insert(0, {root!r})
 import conversion.base as base
 # a freshly trained vocabulary has no registered pre-tokenizer hash: WordPiece has no BPE pre-tokenizer to name
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = [{script!r}, *{args!r}]
-runpy.run_path({script!r}, run_name="__main__")
+for args in {jobs!r}:
+    sys.argv = [{script!r}, *args]
+    runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def llama_cpp_convert_encoder(hf_dir: Path, out: Path, outtype: str = "f32") -> str:
-    """`hf_dir` converted by llama.cpp's own convert_hf_to_gguf.py (the vocabulary's pre-tokenizer check skipped:
-    it knows only published vocabularies); skips where `make bench-setup` did not build it."""
+def llama_cpp_convert_encoders(jobs: list[tuple[Path, Path]], outtype: str = "f32") -> list[str]:
+    """Each (HF directory, GGUF path) converted by llama.cpp's own convert_hf_to_gguf.py, all in one process (its
+    start-up is most of the time), the vocabulary's pre-tokenizer check skipped (it knows only published
+    vocabularies); skips where `make bench-setup` did not build it."""
     found = glob.glob(os.path.join(sys.prefix, "bench-build", "**", "convert_hf_to_gguf.py"), recursive=True)
     if not found:
         pytest.skip("llama.cpp's convert_hf_to_gguf.py is not built here (make bench-setup)")
     script = found[0]
-    code = _CONVERT.format(root=os.path.dirname(script), script=script,
-                           args=[str(hf_dir), "--outfile", str(out), "--outtype", outtype])
+    args = [[str(src), "--outfile", str(out), "--outtype", outtype] for src, out in jobs]
+    code = _CONVERT.format(root=os.path.dirname(script), script=script, jobs=args)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return str(out)
+    return [str(out) for _, out in jobs]

@@ -203,6 +203,8 @@ class AsyncEngine:
 
         if replica != 0:
             raise ValueError(f"replica must be 0 (this server runs one engine), got {replica}")
+        if not hasattr(self.engine, "kv"):
+            raise ValueError("this engine runs an encoder, which has no KV cache")
         return await self.call(kv_snapshot)
 
     async def reset_prefix_cache(self, reset_external: bool = False) -> bool:

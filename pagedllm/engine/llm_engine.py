@@ -113,6 +113,15 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """The engine for args.model: an EncoderEngine for a BERT-family encoder (no KV cache, no generation;
+        engine/encoder_engine.py), else an LLMEngine."""
+        from pagedllm.model.encoder_config import is_encoder
+
+        path = resolve_model_path(args.model)
+        if is_encoder(path):
+            from pagedllm.engine.encoder_engine import EncoderEngine
+
+            return EncoderEngine(args, path)  # type: ignore[return-value]  (the same add/step/abort interface)
         return cls(args)
 
     # ---- requests in ---------------------------------------------------------------------------
