@@ -9,10 +9,12 @@ import json
 import pytest
 import torch
 from tiny_encoders import llama_cpp_convert_encoders, make_encoder, make_nomic
+from tiny_models import add_sentence_transformers_files
 
 from pagedllm.model.encoder_config import config_from_hf, is_encoder
 from pagedllm.model.encoder_loader import load_encoder
 from pagedllm.model.errors import InvalidModelError
+from pagedllm.model.pooling_config import PoolingConfig, resolve_pooling_config
 
 TEXTS = ["Paged attention stores keys and values in blocks.", "Héllo wörld, the quick brown fox!", "a",
          "Copy on write keeps shared prefixes intact. " * 3]
@@ -21,8 +23,9 @@ TEXTS = ["Paged attention stores keys and values in blocks.", "Héllo wörld, th
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("encoders")
-    return {"bert": make_encoder(root / "bert", "bert"), "xlm-roberta": make_encoder(root / "xlmr", "xlm-roberta"),
-            "nomic": make_nomic(root / "nomic")}
+    # the BERT as a sentence-transformers model (mean pooling): llama.cpp's converter writes it as pooling_type
+    return {"bert": add_sentence_transformers_files(make_encoder(root / "bert", "bert"), "mean_tokens"),
+            "xlm-roberta": make_encoder(root / "xlmr", "xlm-roberta"), "nomic": make_nomic(root / "nomic")}
 
 
 def _hidden(loaded, ids: list[list[int]]) -> list[torch.Tensor]:
@@ -66,6 +69,8 @@ def test_llama_cpp_gguf_matches_transformers(checkpoints, ggufs, kind):
     assert is_encoder(gguf)
     loaded = load_encoder(gguf, "float32")
     assert loaded.config.architecture == ("nomic-bert" if kind == "nomic" else "bert")
+    if kind == "bert":
+        assert resolve_pooling_config(gguf) == PoolingConfig("MEAN", True)
     _compare(loaded, checkpoints[kind])
 
 
