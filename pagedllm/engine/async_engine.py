@@ -94,6 +94,15 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def runner_name(self) -> str:
+        return self.engine.runner_name
+
+    @property
+    def task(self) -> str:
+        """"score": a cross-encoder (scores pairs of texts), "embed": an embedding model (or a generator)."""
+        return getattr(self.engine, "task", "embed")
+
+    @property
     def generation_defaults(self) -> dict:
         return getattr(self.engine, "generation_defaults", {})
 

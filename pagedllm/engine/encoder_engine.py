@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
+from pagedllm.engine.scoring import check_pair_length, tokenize_pair
 from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.encoder_loader import LoadedEncoder, load_encoder
@@ -50,26 +51,6 @@ class EncoderRequest:
         return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                                       None if vector is None else EmbeddingOutput(vector), finished=True,
                                       error=self.error, metrics=self.metrics)
-
-
-def check_pair_length(num_tokens: int, max_model_len: int) -> None:
-    if num_tokens > max_model_len:
-        raise ValueError(f"the pair of texts is {num_tokens} tokens, more than max_model_len={max_model_len}; "
-                         f"shorten them or set truncate_prompt_tokens")
-
-
-def tokenize_pair(tokenizer, text_1: str, text_2: str, max_model_len: int,
-                  truncate_prompt_tokens: int | None = None) -> dict:
-    """A cross-encoder's prompt: {"prompt_token_ids", "token_type_ids"} of the pair in the tokenizer's template;
-    ValueError when it does not fit in max_model_len (truncate_prompt_tokens: shortened to fit, -1: to the
-    context)."""
-    if not text_1 or not text_2:
-        raise ValueError("a text of the pair is empty")
-    keep = None if truncate_prompt_tokens is None else (
-        max_model_len if truncate_prompt_tokens == -1 else min(truncate_prompt_tokens, max_model_len))
-    ids, types = tokenizer.encode_pair(text_1, text_2, keep)
-    check_pair_length(len(ids), max_model_len)
-    return {"prompt_token_ids": ids, "token_type_ids": types}
 
 
 class EncoderEngine:

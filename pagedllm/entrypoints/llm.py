@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request_stream import RequestFailedError
-from pagedllm.entrypoints.score_utils import cosine, pair_up, score_task
+from pagedllm.engine.scoring import cosine, pair_up, score_task
 from pagedllm.outputs import (
     EmbeddingRequestOutput,
     RequestOutput,

@@ -45,6 +45,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, add_embedding_routes
 from pagedllm.entrypoints.openai.serving_extras import OpenAIServingTokens, add_extra_routes
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -92,6 +93,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     chat = OpenAIServingChat(async_engine, names, preprocess=preprocess, gate=gate)
     tokens = OpenAIServingTokens(async_engine, names, preprocess=preprocess, gate=gate)
     embedding = OpenAIServingEmbedding(async_engine, names, preprocess=preprocess, gate=gate)
+    score = OpenAIServingScore(async_engine, names, preprocess=preprocess, gate=gate)
     for serving in (chat, tokens):
         serving.default_chat_template = chat_template
         serving.trust_request_chat_template = trust_request_chat_template
@@ -182,6 +184,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     add_messages_routes(app, messages)
     add_extra_routes(app, tokens)
     add_embedding_routes(app, embedding)
+    add_score_routes(app, score)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
 

@@ -1,5 +1,5 @@
-"""What LLM.score and POST /v1/score, /v1/rerank share: pairing the texts as vLLM does, and a bi-encoder's score
-(the cosine of two embeddings)."""
+"""Scoring pairs of texts, what LLM.score and POST /v1/score, /v1/rerank share: pairing the texts as vLLM does, a
+cross-encoder's pair tokenized together, a bi-encoder's score (the cosine of two embeddings). Pure Python."""
 
 from __future__ import annotations
 
@@ -33,3 +33,23 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     dot = math.fsum(x * y for x, y in zip(a, b, strict=True))
     norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
     return dot / norm if norm else 0.0
+
+
+def check_pair_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens > max_model_len:
+        raise ValueError(f"the pair of texts is {num_tokens} tokens, more than max_model_len={max_model_len}; "
+                         f"shorten them or set truncate_prompt_tokens")
+
+
+def tokenize_pair(tokenizer, text_1: str, text_2: str, max_model_len: int,
+                  truncate_prompt_tokens: int | None = None) -> dict:
+    """A cross-encoder's prompt: {"prompt_token_ids", "token_type_ids"} of the pair in the tokenizer's template;
+    ValueError when it does not fit in max_model_len (truncate_prompt_tokens: shortened to fit, -1: to the
+    context)."""
+    if not text_1 or not text_2:
+        raise ValueError("a text of the pair is empty")
+    keep = None if truncate_prompt_tokens is None else (
+        max_model_len if truncate_prompt_tokens == -1 else min(truncate_prompt_tokens, max_model_len))
+    ids, types = tokenizer.encode_pair(text_1, text_2, keep)
+    check_pair_length(len(ids), max_model_len)
+    return {"prompt_token_ids": ids, "token_type_ids": types}
