@@ -84,6 +84,9 @@ class EngineArgs:
     # "generate" (text generation) or "pooling" (embeddings: prefill only, the prompt's hidden states pooled as the
     # checkpoint says, pagedllm/pooling/config.py), as vLLM's --runner
     runner: str = "generate"
+    # vLLM's hf_overrides; read here: {"classifier_from_token": ["no", "yes"]} makes a causal LM a reranker (the
+    # pooling runner scores pairs by those two tokens' logits at the last token, as Qwen3-Reranker)
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -188,7 +191,11 @@ class EngineArgs:
                        help="most bytes the disk tier keeps (least recently used go first), e.g. 20GiB "
                             "(default 16GiB)")
         g.add_argument("--runner", default=d.runner, choices=list(RUNNERS),
-                       help="generate: text generation; pooling: embeddings (POST /v1/embeddings, LLM.embed)")
+                       help="generate: text generation; pooling: embeddings and scores (POST /v1/embeddings, "
+                            "/v1/score, /v1/rerank; LLM.embed, LLM.score)")
+        g.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
+                       help='as vLLM\'s; \'{"classifier_from_token": ["no", "yes"]}\' serves a causal LM as a '
+                            'reranker (Qwen3-Reranker) with --runner pooling')
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

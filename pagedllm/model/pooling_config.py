@@ -17,6 +17,8 @@ _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN
 class PoolingConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
+    # a decoder reranker (Qwen3-Reranker): the ("no", "yes") token ids whose last-token logits make its score
+    score_tokens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
