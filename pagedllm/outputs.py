@@ -78,3 +78,19 @@ class EmbeddingRequestOutput:
 def completions_of(out: RequestOutput | EmbeddingRequestOutput) -> list[CompletionOutput]:
     """A generation's completions; an embedding has none (it generates no token)."""
     return out.outputs if isinstance(out, RequestOutput) else []
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair, as vLLM's (`.outputs.score`): a cross-encoder's relevance score, or the
+    cosine similarity of a bi-encoder's two embeddings (prompt_token_ids: both texts' tokens then)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

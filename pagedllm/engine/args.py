@@ -89,6 +89,9 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's hf_overrides; read here: {"classifier_from_token": ["no", "yes"]} makes a causal LM a reranker (the
+    # pooling runner scores pairs by those two tokens' logits at the last token, as Qwen3-Reranker)
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -196,13 +199,17 @@ class EngineArgs:
                        help="most bytes the disk tier keeps (least recently used go first), e.g. 20GiB "
                             "(default 16GiB)")
         g.add_argument("--runner", default=d.runner, choices=list(RUNNERS),
-                       help="generate: text generation; pooling: embeddings (POST /v1/embeddings, LLM.embed)")
+                       help="generate: text generation; pooling: embeddings and scores (POST /v1/embeddings, "
+                            "/v1/score, /v1/rerank; LLM.embed, LLM.score)")
         g.add_argument("--enable-lora", action="store_true", default=d.enable_lora,
                        help="serve LoRA adapters (--lora-modules, POST /v1/load_lora_adapter, LLM lora_request)")
         g.add_argument("--max-loras", type=int, default=d.max_loras,
                        help="most distinct LoRA adapters in one batch (requests of others wait)")
         g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                        help="largest LoRA rank an adapter may have")
+        g.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
+                       help='as vLLM\'s; \'{"classifier_from_token": ["no", "yes"]}\' serves a causal LM as a '
+                            'reranker (Qwen3-Reranker) with --runner pooling')
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

@@ -95,6 +95,15 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def runner_name(self) -> str:
+        return self.engine.runner_name
+
+    @property
+    def task(self) -> str:
+        """"score": a cross-encoder (scores pairs of texts), "embed": an embedding model (or a generator)."""
+        return getattr(self.engine, "task", "embed")
+
+    @property
     def generation_defaults(self) -> dict:
         return getattr(self.engine, "generation_defaults", {})
 
@@ -228,6 +237,8 @@ class AsyncEngine:
 
         if replica != 0:
             raise ValueError(f"replica must be 0 (this server runs one engine), got {replica}")
+        if not hasattr(self.engine, "kv"):
+            raise ValueError("this engine runs an encoder, which has no KV cache")
         return await self.call(kv_snapshot)
 
     async def reset_prefix_cache(self, reset_external: bool = False) -> bool:

@@ -26,6 +26,7 @@ from pagedllm.engine.fault_isolation import execute_isolating_faults
 from pagedllm.engine.lora_registry import LoRARegistry, ReadLoRA, lora_cache_salt
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
+from pagedllm.engine.scoring import check_pair_length, tokenize_pair
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.engine.step_budget import StepBudget
 from pagedllm.faults import as_exception, is_request_fault
@@ -36,7 +37,7 @@ from pagedllm.model.generation_config import generation_defaults
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
 from pagedllm.model.loader import load_model
-from pagedllm.model.pooling_config import resolve_pooling_config
+from pagedllm.model.pooling_config import PoolingConfig, resolve_pooling_config
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -87,7 +88,7 @@ class LLMEngine:
                                                    max_loras=args.max_loras),
                                    self.kv)
         # the pooling runner: how prompts' hidden states become embeddings (None: the engine generates)
-        self.pooling_config = resolve_pooling_config(self.model_path) if args.runner == "pooling" else None
+        self.pooling_config = self._pooling_config(args)
         self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
         lora = LoRAManager(loaded.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.loras = None if lora is None else LoRARegistry(lora, cfg, self._runs_adapter)
@@ -118,8 +119,46 @@ class LLMEngine:
                     num_blocks, args.block_size, num_blocks * args.block_size, self.kv_cache_dtype_name(),
                     self.kv_bytes_per_token())
 
+    def _pooling_config(self, args: EngineArgs) -> PoolingConfig | None:
+        """The checkpoint's pooling (the pooling runner; None: the engine generates), or a reranker's last token
+        scored by two tokens' logits where hf_overrides names them (classifier_from_token, as vLLM's)."""
+        if args.runner != "pooling":
+            return None
+        names = (args.hf_overrides or {}).get("classifier_from_token")
+        if names is None:
+            return resolve_pooling_config(self.model_path)
+        if not isinstance(names, list | tuple) or len(names) != 2 or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"hf_overrides.classifier_from_token must name two tokens (no, yes), got {names!r}")
+        ids = []
+        for name in names:
+            found = self.tokenizer.convert_tokens_to_ids(name)
+            encoded = self.tokenizer.encode(name, add_special_tokens=False)
+            if found is None and len(encoded) == 1:
+                found = encoded[0]
+            if found is None:
+                raise ValueError(f"hf_overrides.classifier_from_token: {name!r} is not one token of the vocabulary")
+            ids.append(found)
+        return PoolingConfig("LAST", normalize=False, score_tokens=(ids[0], ids[1]))
+
+    @property
+    def task(self) -> str:
+        """"score": a decoder reranker (scores pairs of texts), else "embed" (or a generator)."""
+        return "score" if self.pooling_config is not None and self.pooling_config.score_tokens else "embed"
+
+    def tokenize_pair(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None) -> dict:
+        return tokenize_pair(self.tokenizer, text_1, text_2, self.max_model_len, truncate_prompt_tokens)
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """The engine for args.model: an EncoderEngine for a BERT-family encoder (no KV cache, no generation;
+        engine/encoder_engine.py), else an LLMEngine."""
+        from pagedllm.model.encoder_config import is_encoder
+
+        path = resolve_model_path(args.model)
+        if is_encoder(path):
+            from pagedllm.engine.encoder_engine import EncoderEngine
+
+            return EncoderEngine(args, path)  # type: ignore[return-value]  (the same add/step/abort interface)
         return cls(args)
 
     # ---- requests in ---------------------------------------------------------------------------
@@ -234,10 +273,22 @@ class LLMEngine:
     def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams,
                              cache_salt: str | None, arrival_time: float | None, prompt_token_ids: list[int] | None,
                              priority: int, lora_id: int | None) -> None:
-        """Prefill only: the scheduler ends it once its prompt is computed, the runner pools it."""
-        params.validate(self.model_config.hidden_size)
-        ids = params.truncated(self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids),
-                               self.max_model_len)
+        """Prefill only: the scheduler ends it once its prompt is computed, the runner pools it. A reranker's
+        prompt is a pair {"prompt_token_ids", ...} from tokenize_pair."""
+        if isinstance(prompt, dict) != (self.task == "score"):
+            raise ValueError("this model is a reranker: it scores pairs of texts (LLM.score, /v1/score, /v1/rerank) "
+                             "and makes no embeddings" if self.task == "score" else
+                             "this model makes embeddings: it takes single texts")
+        params.validate(None if self.task == "score" else self.model_config.hidden_size)
+        if self.task == "score" and params.dimensions is not None:
+            raise ValueError("dimensions: a reranker's output is one score, not an embedding")
+        if isinstance(prompt, dict):
+            ids = self.tokenize(prompt.get("prompt_token_ids") or [])
+            check_pair_length(len(ids), self.max_model_len)
+            prompt = ids
+        else:
+            ids = params.truncated(self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids),
+                                   self.max_model_len)
         if self.pooling_config.needs_every_token:  # the prefix cache would skip rows the pooling reads
             cache_salt = no_cache_salt(request_id, cache_salt)
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, 0, cache_salt,

@@ -19,6 +19,8 @@ def _tensors(x: object):
 def startup_summary(engine: LLMEngine) -> str:
     """One line on what `pagedllm serve` runs: model, dtype, quantization, KV blocks, KV dtype and bytes per token
     (of the pool actually allocated), and how many requests of the full context length fit at once."""
+    if not hasattr(engine, "kv"):  # an encoder (engine/encoder_engine.py): no KV cache to describe
+        return engine.describe()
     kv, args = engine.kv, engine.args
     caches = engine.runner.kv_caches
     pool = getattr(caches, "pool", None)  # (hybrid KV groups: layers share the pool's position views)

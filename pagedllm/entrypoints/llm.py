@@ -1,4 +1,4 @@
-"""The offline API: LLM.generate / chat / beam_search / embed, named as in vLLM."""
+"""The offline API: LLM.generate / chat / beam_search / embed / score, named as in vLLM."""
 
 from __future__ import annotations
 
@@ -12,8 +12,15 @@ from tqdm.auto import tqdm
 from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.request_stream import RequestFailedError
+from pagedllm.engine.scoring import cosine, pair_up, score_task
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, completions_of
+from pagedllm.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    completions_of,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -103,7 +110,32 @@ class LLM:
             params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         return self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
 
-    def _add_and_run(self, prompts: list[str | list[int]], params: Sequence[SamplingParams | PoolingParams],
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one text_1 against each text_2, or text_1[i] with text_2[i]. A cross-encoder scores
+        each pair itself (the pair tokenized together); an embedding model scores the cosine similarity of the two
+        texts' embeddings. The pooling runner only."""
+        self.engine.check_runner(pooling=True)
+        pairs = pair_up(text_1, text_2)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        params.validate()
+        if score_task(self.engine) == "score":
+            prompts = [self.engine.tokenize_pair(a, b, params.truncate_prompt_tokens) for a, b in pairs]
+            outs = self._add_and_run(prompts, [params] * len(prompts), use_tqdm)
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(o.outputs.embedding[0]))
+                    for o in outs]
+        firsts = list(dict.fromkeys(a for a, _ in pairs))  # 1:N embeds the one text_1 once
+        embedded = self.embed(firsts + [b for _, b in pairs], params, use_tqdm)
+        by_text = dict(zip(firsts, embedded[:len(firsts)], strict=True))
+        return [ScoringRequestOutput(f"{by_text[a].request_id}-{e.request_id}",
+                                     by_text[a].prompt_token_ids + e.prompt_token_ids,
+                                     ScoringOutput(cosine(by_text[a].outputs.embedding, e.outputs.embedding)))
+                for (a, _), e in zip(pairs, embedded[len(firsts):], strict=True)]
+
+    def _add_and_run(self, prompts: list[str | list[int] | dict], params: Sequence[SamplingParams | PoolingParams],
                      use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest] | None = None) -> list:
         loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
         if len(loras) != len(prompts):

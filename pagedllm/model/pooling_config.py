@@ -17,6 +17,8 @@ _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN
 class PoolingConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
+    # a decoder reranker (Qwen3-Reranker): the ("no", "yes") token ids whose last-token logits make its score
+    score_tokens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -28,20 +30,22 @@ class PoolingConfig:
         return self.pooling_type != "LAST"
 
 
-def resolve_pooling_config(model_path: str) -> PoolingConfig:
-    """The checkpoint's pooling: a directory's modules.json, else a .gguf file's `{arch}.pooling_type`."""
+def resolve_pooling_config(model_path: str, default: PoolingConfig | None = None) -> PoolingConfig:
+    """The checkpoint's pooling: a directory's modules.json, else a .gguf file's `{arch}.pooling_type`, else
+    `default` (None: the decoders' last token, normalised; encoders pass CLS)."""
+    default = default or PoolingConfig()
     if os.path.isdir(model_path):
-        found = _sentence_transformers(model_path)
+        found = _sentence_transformers(model_path, default)
         if found is not None:
             return found
     elif model_path.endswith(".gguf"):
         found = _gguf(model_path)
         if found is not None:
             return found
-    return PoolingConfig()
+    return default
 
 
-def _sentence_transformers(path: str) -> PoolingConfig | None:
+def _sentence_transformers(path: str, default: PoolingConfig) -> PoolingConfig | None:
     modules_file = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_file):
         return None
@@ -50,7 +54,7 @@ def _sentence_transformers(path: str) -> PoolingConfig | None:
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
     normalize = "Normalize" in kinds
     if "Pooling" not in kinds:
-        return PoolingConfig("LAST", normalize)
+        return PoolingConfig(default.pooling_type, normalize)
     with open(os.path.join(path, kinds["Pooling"], "config.json")) as f:
         pooling = json.load(f)
     modes = [kind for key, kind in _ST_MODES.items() if pooling.get(key)]

@@ -120,6 +120,29 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, text_pair: str, max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """A cross-encoder's input: both texts in the tokenizer's pair template (BERT: [CLS] a [SEP] b [SEP]) and
+        each id's token type (BERT: 1 for the second text). max_length: the longer text loses its last tokens first
+        until the pair fits (transformers' truncation="longest_first")."""
+        rust = self.backend_tokenizer
+        if max_length is None:
+            enc = rust.encode(text, text_pair)
+            return enc.ids, enc.type_ids
+        a, b = rust.encode(text, add_special_tokens=False), rust.encode(text_pair, add_special_tokens=False)
+        room = max_length - rust.num_special_tokens_to_add(is_pair=True)
+        if room < 2:
+            raise ValueError(f"truncate_prompt_tokens={max_length} leaves no room for a pair of texts")
+        la, lb = len(a.ids), len(b.ids)
+        while la + lb > room:
+            if la > lb:
+                la -= 1
+            else:
+                lb -= 1
+        a.truncate(la)
+        b.truncate(lb)
+        enc = rust.post_process(a, b, add_special_tokens=True)
+        return enc.ids, enc.type_ids
+
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, Any]:
         """{"input_ids": ids} for a string, a list of id lists for a list of strings."""
         if isinstance(text, str):

@@ -96,6 +96,15 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self._logits = torch.empty(0, self.vocab_size)  # 2-D even when empty: a step may sample no row
 
+    def _pooled(self, vector: torch.Tensor, req, dtype: torch.dtype) -> list[float]:
+        """An embedding, or for a decoder reranker (PoolingConfig.score_tokens) its score: softmax over the "no" and
+        "yes" tokens' logits at the last token, i.e. sigmoid(yes - no), as vLLM's Qwen3-Reranker."""
+        tokens = self.pooler.config.score_tokens
+        if tokens is None:
+            return finish_embedding(vector, self.pooler.config, req.sampling_params)
+        logits = self.model.compute_logits(vector[None].to(dtype))[0]
+        return [torch.sigmoid(logits[tokens[1]] - logits[tokens[0]]).item()]
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]],
                 token_bitmask: TokenBitmask | None = None) -> RunnerOutput:
@@ -106,7 +115,7 @@ class ModelRunner:
             out = RunnerOutput(prompt_logprobs=prompt_logprobs(self.model, hidden, scheduled),
                                nonfinite=nonfinite_entries(scheduled, logits))
             if self.pooler is not None:
-                out.pooled = {req.request_id: finish_embedding(v, self.pooler.config, req.sampling_params)
+                out.pooled = {req.request_id: self._pooled(v, req, hidden.dtype)
                               for req, v in self.pooler(scheduled, hidden)}
             rows, logit_rows = sampling_rows(scheduled)
             if rows:

@@ -18,7 +18,8 @@ def _unauthorized(message: str, status: int = 401) -> OpenAIError:
     return OpenAIError(status, message, code="invalid_api_key")
 
 
-PROTECTED_PATHS = ("/reset_prefix_cache",)  # besides /v1: what changes the engine's state
+# besides /v1: what changes the engine's state, and the unversioned aliases that run the model
+PROTECTED_PATHS = ("/reset_prefix_cache", "/score", "/rerank", "/v2/rerank")
 
 
 class ApiKeyMiddleware:

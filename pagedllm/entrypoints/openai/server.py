@@ -52,6 +52,7 @@ from pagedllm.entrypoints.openai.serving_models import (
     add_lora_routes,
     parse_lora_module,
 )
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, make_tool_parser
 from pagedllm.metrics import CONTENT_TYPE_LATEST
 
@@ -100,6 +101,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     chat = OpenAIServingChat(async_engine, models, preprocess=preprocess, gate=gate)
     tokens = OpenAIServingTokens(async_engine, models, preprocess=preprocess, gate=gate)
     embedding = OpenAIServingEmbedding(async_engine, models, preprocess=preprocess, gate=gate)
+    score = OpenAIServingScore(async_engine, models, preprocess=preprocess, gate=gate)
     for serving in (chat, tokens):
         serving.default_chat_template = chat_template
         serving.trust_request_chat_template = trust_request_chat_template
@@ -190,6 +192,7 @@ def build_app(engine: EngineArgs | AsyncEngine, api_key: str | list[str] | None 
     add_extra_routes(app, tokens)
     add_embedding_routes(app, embedding)
     add_lora_routes(app, models)
+    add_score_routes(app, score)
     add_kv_routes(app, async_engine)  # with data-parallel replicas: /kv?replica=i
     return app
 

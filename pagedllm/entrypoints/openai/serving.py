@@ -323,7 +323,7 @@ class OpenAIServing:
         if not ids:
             raise OpenAIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
 
-    async def submit(self, prompts: list[str | list[int]], params: SamplingParams | PoolingParams, base_id: str,
+    async def submit(self, prompts: list[str | list[int] | dict], params: SamplingParams | PoolingParams, base_id: str,
                      cache_salt: str | None, known_params: set[str], priority: int = 0,
                      param: str | None = None, lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Tokenize every prompt (off the loops), then add them; on any rejection abort those already added
@@ -335,7 +335,9 @@ class OpenAIServing:
         limits = {"prefill_only": True, "truncating": params.truncate_prompt_tokens is not None} if pooling else {}
         lora = {} if lora_request is None else {"lora_request": lora_request}
         try:
-            tokenized = [await self.preprocess.tokenize(p, param, **limits) for p in prompts]
+            # (a dict: a cross-encoder's pair, tokenized and checked by the caller)
+            tokenized = [{} if isinstance(p, dict) else await self.preprocess.tokenize(p, param, **limits)
+                         for p in prompts]
             for i, (p, kw) in enumerate(zip(prompts, tokenized, strict=True)):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(await self.engine.add_request(p, params, rid, cache_salt, priority=priority, **kw,
