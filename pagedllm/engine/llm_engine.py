@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from collections.abc import Iterable
 from functools import cached_property
-
-import numpy as np
 
 from pagedllm.core.hybrid_kv_cache_manager import make_kv_cache_manager
 from pagedllm.core.kv_groups import plan_kv_groups
-from pagedllm.core.request import Grammar, Request, RequestStatus
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.step import RunnerOutput
 from pagedllm.engine.args import EngineArgs, parse_bytes
@@ -37,16 +34,14 @@ from pagedllm.model.generation_config import generation_defaults
 from pagedllm.model.hub import resolve_model_path
 from pagedllm.model.kv_cache import kv_bytes_per_block, num_blocks_for_budget, resolve_kv_dtype
 from pagedllm.model.loader import load_model
-from pagedllm.model.pooling_config import PoolingConfig, resolve_pooling_config
+from pagedllm.model.pooling_config import pooling_config_for
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured.backend import allow_token
 from pagedllm.structured.gate import GrammarGate
-from pagedllm.structured.reasoning_gate import GatedMatcher
+from pagedllm.structured.step_masks import grammar_factory, token_bitmask
 from pagedllm.templating.sandbox import render_chat_template
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.sampler import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +83,7 @@ class LLMEngine:
                                                    max_loras=args.max_loras),
                                    self.kv)
         # the pooling runner: how prompts' hidden states become embeddings (None: the engine generates)
-        self.pooling_config = self._pooling_config(args)
+        self.pooling_config = pooling_config_for(args.runner, args.hf_overrides, self.model_path, self.tokenizer)
         self.step_budget = StepBudget(args.max_step_ms, args.max_num_batched_tokens)
         lora = LoRAManager(loaded.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.loras = None if lora is None else LoRARegistry(lora, cfg, self._runs_adapter)
@@ -118,27 +113,6 @@ class LLMEngine:
                     "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
                     num_blocks, args.block_size, num_blocks * args.block_size, self.kv_cache_dtype_name(),
                     self.kv_bytes_per_token())
-
-    def _pooling_config(self, args: EngineArgs) -> PoolingConfig | None:
-        """The checkpoint's pooling (the pooling runner; None: the engine generates), or a reranker's last token
-        scored by two tokens' logits where hf_overrides names them (classifier_from_token, as vLLM's)."""
-        if args.runner != "pooling":
-            return None
-        names = (args.hf_overrides or {}).get("classifier_from_token")
-        if names is None:
-            return resolve_pooling_config(self.model_path)
-        if not isinstance(names, list | tuple) or len(names) != 2 or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"hf_overrides.classifier_from_token must name two tokens (no, yes), got {names!r}")
-        ids = []
-        for name in names:
-            found = self.tokenizer.convert_tokens_to_ids(name)
-            encoded = self.tokenizer.encode(name, add_special_tokens=False)
-            if found is None and len(encoded) == 1:
-                found = encoded[0]
-            if found is None:
-                raise ValueError(f"hf_overrides.classifier_from_token: {name!r} is not one token of the vocabulary")
-            ids.append(found)
-        return PoolingConfig("LAST", normalize=False, score_tokens=(ids[0], ids[1]))
 
     @property
     def task(self) -> str:
@@ -231,7 +205,7 @@ class LLMEngine:
             state.grammar = self.structured_outputs.submit(params.structured_outputs)
             if state.grammar.done() and state.grammar.exception() is not None:
                 raise state.grammar.exception()  # a cached compile error: a GrammarError (a ValueError)
-        new_grammar = None if state.grammar is None else self._grammar_factory(state.grammar, params)
+        new_grammar = None if state.grammar is None else grammar_factory(lambda: self.structured_outputs, state.grammar, params)
         req = self.output_processor.add_request(state, arrival_time, priority=priority, new_grammar=new_grammar)
         if state.grammar is not None and not state.grammar.done():
             self._grammar_gate.hold(state.grammar, (state, req))  # built complete; scheduled once compiled
@@ -295,17 +269,6 @@ class LLMEngine:
                              lora_id=lora_id)
         self.scheduler.add_request(self.output_processor.add_request(state, arrival_time, priority=priority))
 
-    def _grammar_factory(self, compiled: Future, params: SamplingParams) -> Callable[[], Grammar]:
-        """How each sample makes its own matcher from the compiled grammar (the scheduler calls it once the
-        request is scheduled, so only after the compile is done)."""
-        gate = params.structured_outputs.after_reasoning  # (a reasoning model: free until it ends)
-
-        def new_grammar() -> Grammar:
-            matcher = self.structured_outputs.matcher(compiled.result())
-            return matcher if gate is None else GatedMatcher(matcher, gate)
-
-        return new_grammar
-
     # ---- structured outputs ----------------------------------------------------------------------
     @property
     def structured_outputs(self):
@@ -331,29 +294,6 @@ class LLMEngine:
             else:
                 failed.append(self._abort(state.request_id, str(err)).output())
         return failed
-
-    def _token_bitmask(self, scheduled: list[ScheduledRequest]) -> TokenBitmask | None:
-        """The tokens each constrained row may take next (unconstrained rows are not in it): an entry with draft
-        tokens gets one row per draft prefix (StructuredOutputManager.bitmask walks its matcher along the drafts
-        and back: the request's grammar ends as it was, even when a fill fails); an entry that forks
-        n samples, its matcher's one mask n times (every sample starts where the prompt ends). Behind a reasoning
-        gate, rows are free while the model reasons, and its first row may also open the reasoning."""
-        rows, walks, repeats, extra, row = [], [], [], [], 0
-        for s in scheduled:
-            grammar = s.request.grammar
-            if grammar is not None and s.num_rows and getattr(grammar, "masked", True):
-                if getattr(grammar, "extra_token", None) is not None:
-                    extra.append((len(repeats), grammar.extra_token))  # the first mask row of this walk
-                rows.extend(range(row, row + s.num_rows))
-                walks.append((getattr(grammar, "matcher", grammar), [] if s.forks else s.draft_token_ids))
-                repeats += [s.num_rows] if s.forks else [1] * s.num_rows
-            row += s.num_rows
-        if not rows:
-            return None
-        masks = self.structured_outputs.bitmask(walks)
-        for mask_row, token in extra:
-            allow_token(masks, mask_row, token)
-        return TokenBitmask(rows, masks if len(masks) == len(rows) else np.repeat(masks, repeats, axis=0))
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -411,7 +351,7 @@ class LLMEngine:
         return min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 
     def _execute(self, scheduled: list[ScheduledRequest], block_copies: list[tuple[int, int]]) -> RunnerOutput:
-        return self.runner.execute(scheduled, block_copies, self._token_bitmask(scheduled))
+        return self.runner.execute(scheduled, block_copies, token_bitmask(lambda: self.structured_outputs, scheduled))
 
     def _execute_isolating_faults(self, out: SchedulerOutput) -> tuple[RunnerOutput, list[RequestState]]:
         """The step's rows, with the requests that failed it by themselves (engine/fault_isolation.py) aborted

@@ -77,3 +77,26 @@ def _gguf(path: str) -> PoolingConfig | None:
     if value not in _GGUF_POOLING:
         raise ValueError(f"{path}: pooling_type {value} (rank) is not an embedding pooling")
     return PoolingConfig(_GGUF_POOLING[value], True)
+
+
+def pooling_config_for(runner: str, hf_overrides: dict | None, model_path: str, tokenizer) -> PoolingConfig | None:
+    """The engine's pooling: None for the generate runner; the checkpoint's (resolve_pooling_config); or, where
+    hf_overrides names two tokens (classifier_from_token, as vLLM's), a reranker's last token scored by their
+    logits (Qwen3-Reranker)."""
+    if runner != "pooling":
+        return None
+    names = (hf_overrides or {}).get("classifier_from_token")
+    if names is None:
+        return resolve_pooling_config(model_path)
+    if not isinstance(names, list | tuple) or len(names) != 2 or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"hf_overrides.classifier_from_token must name two tokens (no, yes), got {names!r}")
+    ids = []
+    for name in names:
+        found = tokenizer.convert_tokens_to_ids(name)
+        encoded = tokenizer.encode(name, add_special_tokens=False)
+        if found is None and len(encoded) == 1:
+            found = encoded[0]
+        if found is None:
+            raise ValueError(f"hf_overrides.classifier_from_token: {name!r} is not one token of the vocabulary")
+        ids.append(found)
+    return PoolingConfig("LAST", normalize=False, score_tokens=(ids[0], ids[1]))
