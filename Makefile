@@ -45,7 +45,7 @@ test: install $(VENV)/.chromium
 VARIANT_TESTS := tests/kernels/test_attention_kernel.py tests/kernels/test_quant_kernel.py \
 	tests/kernels/test_small_gemm.py tests/kernels/test_decoder_layer.py tests/worker/test_sampler.py \
 	tests/engine/test_batch_invariance.py tests/engine/test_engine.py tests/core/test_step_loop.py \
-	tests/model/test_moe.py tests/model/test_lora.py
+	tests/model/test_moe.py tests/kernels/test_lora_kernel.py
 # (the variant this CPU runs by default has run every test already: it is skipped here)
 test-variants: install
 	best=$$($(PY) -c "from pagedllm.kernels.variants import build_variant; print(build_variant()[0])"); \

@@ -5,9 +5,11 @@ server_harness.LiveServer.)"""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 import uvicorn
 from server_harness import engine_state, free_port
@@ -36,6 +38,15 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+@contextlib.contextmanager
+def serving(engine, app) -> Iterator[LiveServer]:
+    """`app` live (the LiveServer's `.engine` is its AsyncEngine), the engine shut down after."""
+    with LiveServer(app) as live:
+        live.engine = engine
+        yield live
+    engine.shutdown()
 
 
 def wait_idle(server, timeout: float = 60.0) -> dict:

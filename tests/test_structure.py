@@ -19,6 +19,7 @@ FLOORS: list[set[str]] = [
     {"distributed"},
     {"engine"},
     {"worker"},
+    {"lora"},
     {"model"},
     {"templating", "quantization", "attention", "dtypes"},
     {"kernels"},

@@ -115,6 +115,19 @@ class EncoderEngine:
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return render_chat_template(self.tokenizer, messages, **kwargs)
 
+    loras = None  # LoRA adapters apply to decoders only (LLMEngine's LoRARegistry)
+
+    def add_lora(self, lora_request, read=None):
+        raise ValueError("LoRA adapters are not supported on encoder models")
+
+    read_lora = add_lora
+
+    def remove_lora(self, name: str) -> bool:
+        return False
+
+    def list_loras(self) -> list:
+        return []
+
     def check_runner(self, pooling: bool) -> None:
         if not pooling:
             raise ValueError("this engine runs the 'pooling' runner on an encoder, which does not take generation "
@@ -122,9 +135,11 @@ class EncoderEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: PoolingParams, *,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0, lora_request=None) -> None:
         """prompt: a text, token ids, or a tokenized pair {"prompt_token_ids", "token_type_ids"} (a cross-encoder's
         input, from tokenize_pair). cache_salt is accepted and unused: there is no cache."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported on encoder models")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_runner(isinstance(params, PoolingParams))
@@ -195,14 +210,14 @@ class EncoderEngine:
             vectors = [self._execute_alone(req) for req in batch]
         done = time.monotonic()
         outputs = []
-        for req, vector in zip(batch, vectors, strict=True):
-            self._requests.pop(req.request_id, None)
+        for enc, vector in zip(batch, vectors, strict=True):
+            self._requests.pop(enc.request_id, None)
             if vector is not None and not all(math.isfinite(v) for v in vector):
-                req.error = ("model step failed: the model's output for this request is not finite (NaN or "
+                enc.error = ("model step failed: the model's output for this request is not finite (NaN or "
                              "infinity): its weights or activations overflowed")
                 vector = None
-            req.metrics.first_token_time = req.metrics.last_token_time = req.metrics.finished_time = done
-            outputs.append(req.output(vector))
+            enc.metrics.first_token_time = enc.metrics.last_token_time = enc.metrics.finished_time = done
+            outputs.append(enc.output(vector))
         return outputs
 
     def _next_batch(self) -> list[EncoderRequest]:
@@ -217,15 +232,15 @@ class EncoderEngine:
         del self._waiting[:len(batch)]
         return batch
 
-    def _execute_alone(self, req: EncoderRequest) -> list[float] | None:
+    def _execute_alone(self, enc: EncoderRequest) -> list[float] | None:
         try:
-            return self._execute([req])[0]
+            return self._execute([enc])[0]
         except BaseException as e:
             if not isinstance(e, Exception) and not is_request_fault(e):
                 raise
             err = as_exception(e, "running the encoder")
-            logger.error("request %s fails the encoder step alone: %s", req.request_id, err)
-            req.error = f"model step failed: {type(err).__name__}: {err}"
+            logger.error("request %s fails the encoder step alone: %s", enc.request_id, err)
+            enc.error = f"model step failed: {type(err).__name__}: {err}"
             return None
 
     def _execute(self, batch: list[EncoderRequest]) -> list[list[float]]:

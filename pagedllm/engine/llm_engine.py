@@ -26,6 +26,7 @@ from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.scoring import check_pair_length, tokenize_pair
 from pagedllm.engine.speculative import make_speculator
 from pagedllm.engine.step_budget import StepBudget
+from pagedllm.engine.structured_steps import grammar_factory, token_bitmask
 from pagedllm.faults import as_exception, is_request_fault
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.request import LoRARequest
@@ -39,7 +40,6 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured.gate import GrammarGate
-from pagedllm.structured.step_masks import grammar_factory, token_bitmask
 from pagedllm.templating.sandbox import render_chat_template
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -235,7 +235,8 @@ class LLMEngine:
         return [] if self.loras is None else [lo.request for lo in self.loras.loaded.values()]
 
     def _runs_adapter(self, key: int) -> bool:
-        return any(r.lora_id == key for q in (self.scheduler.running, self.scheduler.waiting) for r in q)
+        """A live request (queued, running, or waiting for its grammar to compile) runs adapter `key`."""
+        return any(state.lora_id == key for state in self.requests.values())
 
     def check_runner(self, pooling: bool) -> None:
         """ValueError naming the loaded runner when the request is for the other one (an engine runs one)."""

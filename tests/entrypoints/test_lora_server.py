@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from live_server import LiveServer  # noqa: E402
+from live_server import serving  # noqa: E402
 from tiny_models import make_llm, make_tiny_model  # noqa: E402
 
 from pagedllm import LoRARequest, SamplingParams  # noqa: E402
@@ -94,10 +94,8 @@ def server(llm, paths, oracle):
                     lora_modules=[parse_lora_module(f"a1={paths['a1']}"),  # and vLLM's JSON form
                                   parse_lora_module(json.dumps({"name": "a2", "path": paths["a2"],
                                                                 "base_model_name": "tiny"}))])
-    with LiveServer(app) as live:
-        live.engine = engine
+    with serving(engine, app) as live:
         yield live
-    engine.shutdown()
 
 
 @pytest.fixture

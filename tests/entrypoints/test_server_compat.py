@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
-from live_server import LiveServer  # noqa: E402
+from live_server import serving  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_models import make_llm, make_tiny_model, wait_until  # noqa: E402
 
@@ -37,10 +37,8 @@ def server(llm):
     engine = AsyncEngine(llm.engine, log_stats_interval=0.2, log_requests=True)
     app = build_app(engine, api_key=[KEY, "sk-second"], served_model_name=["tiny", "tiny-alias"],
                     allowed_origins=["http://example.test"], trust_request_chat_template=True)
-    with LiveServer(app) as live:
-        live.engine = engine
+    with serving(engine, app) as live:
         yield live
-    engine.shutdown()
 
 
 @pytest.fixture

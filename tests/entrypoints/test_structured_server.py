@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from live_server import API_KEY, LiveServer, wait_idle
+from live_server import API_KEY, serving, wait_idle
 
 openai = pytest.importorskip("openai")
 
@@ -53,10 +53,8 @@ def server():
     llm = LLM(dtype="float32", num_kv_blocks=256, block_size=16, max_model_len=1024, seed=0)
     engine = AsyncEngine(llm.engine)
     engine.start()
-    with LiveServer(build_app(engine, api_key=API_KEY, served_model_name="smol")) as live:
-        live.engine = engine
+    with serving(engine, build_app(engine, api_key=API_KEY, served_model_name="smol")) as live:
         yield live
-    engine.shutdown()
 
 
 @pytest.fixture

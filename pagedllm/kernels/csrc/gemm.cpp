@@ -69,6 +69,38 @@ inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sum
   }
   _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same scheme on AVX2: an element's 16 lanes are two ymm accumulators (lanes 0-7, 8-15), one FMA per lane in
+// increasing k, then the plain tree below (l += l + 8, + 4, + 2, + 1) in vector form.
+inline float reduce16_avx2(__m256 lo, __m256 hi) {
+  const __m256 h8 = _mm256_add_ps(lo, hi);
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+template <int R>
+inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sums) {
+  __m256 acc[R][kTileCols][2];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kTileCols; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kp; k += kLanes) {
+    __m256 w[kTileCols][2];
+    for (int j = 0; j < kTileCols; ++j) {
+      w[j][0] = _mm256_loadu_ps(wr + j * kp + k);
+      w[j][1] = _mm256_loadu_ps(wr + j * kp + k + 8);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 x0 = _mm256_loadu_ps(xr[i] + k), x1 = _mm256_loadu_ps(xr[i] + k + 8);
+      for (int j = 0; j < kTileCols; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(x0, w[j][0], acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(x1, w[j][1], acc[i][j][1]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < kTileCols; ++j) sums[i * kTileCols + j] = reduce16_avx2(acc[i][j][0], acc[i][j][1]);
+}
 #else
 // The same scheme in plain C++ (the compiler vectorises the lane loop for the ISA the build allows): 16 lane sums
 // per element in increasing k, then one fixed pairwise tree over the lanes.
