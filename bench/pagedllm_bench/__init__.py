@@ -34,6 +34,7 @@ BENCHES: dict[str, str] = {
     "fuzz": "hostile GGUF files and chat templates for N minutes",
     "perplexity": "perplexity as stored, dequantized and with llama.cpp",
     "lora": "a batch mixing LoRA adapters and the base model against the base model alone",
+    "embed": "embeddings throughput on a BERT-family GGUF against llama-server --embeddings",
 }
 # worker entry points the benches start as subprocesses (not listed in the help)
 WORKERS = ("peers", "offline-stream")

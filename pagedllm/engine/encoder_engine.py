@@ -22,6 +22,7 @@ from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.scoring import check_pair_length, tokenize_pair
 from pagedllm.faults import as_exception, is_request_fault
+from pagedllm.kernels import KernelMode, forward_context
 from pagedllm.model.config import check_token_ids
 from pagedllm.model.encoder_loader import LoadedEncoder, load_encoder
 from pagedllm.model.pooling_config import PoolingConfig, resolve_pooling_config
@@ -137,9 +138,10 @@ class EncoderEngine:
                     cache_salt: str | None = None, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None, priority: int = 0, lora_request=None) -> None:
         """prompt: a text, token ids, or a tokenized pair {"prompt_token_ids", "token_type_ids"} (a cross-encoder's
-        input, from tokenize_pair). cache_salt is accepted and unused: there is no cache."""
+        input, from tokenize_pair). cache_salt is accepted and unused: there is no cache. lora_request: None only
+        (LLM passes it to every engine; encoders take no adapters)."""
         if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported on encoder models")
+            raise ValueError("LoRA adapters are for decoder models: this encoder takes none")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_runner(isinstance(params, PoolingParams))
@@ -248,7 +250,8 @@ class EncoderEngine:
         positions = [p for r in batch for p in self.model.positions(r.prompt_token_ids)]
         types = [t for r in batch for t in (r.token_type_ids or [0] * len(r.prompt_token_ids))]
         lens = [len(r.prompt_token_ids) for r in batch]
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), torch.tensor(types), lens)
+        with forward_context(KernelMode(invariant=self.args.batch_invariant)):  # --no-batch-invariant: one GEMM
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), torch.tensor(types), lens)
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
         if self.task == "score":
             logits = self.model.score(hidden[starts])[:, 0]

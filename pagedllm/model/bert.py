@@ -1,7 +1,8 @@
 """Bidirectional encoders: BERT, XLM-RoBERTa and NomicBERT (post-norm layers), with the classification head of
 their cross-encoders. The forward takes the flat tokens of several sequences and attends each sequence to itself
-alone: a sequence's rows never depend on what else is in the batch (the GEMMs are `layers.linear`, batch-invariant
-in the default kernel mode). No KV cache: an encoder reads each prompt once and generates nothing."""
+alone: a sequence's rows never depend on what else is in the batch (in the batch-invariant kernel mode, the
+default, each sequence's rows go through the GEMMs as a call of their own: `seq_linear`). No KV cache: an encoder
+reads each prompt once and generates nothing."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels.dispatch import current_mode
 from pagedllm.model.encoder_config import EncoderConfig
 from pagedllm.model.layers import RotaryEmbedding, apply_rope, frozen_param
-from pagedllm.model.linear import Linear
+from pagedllm.model.linear import DenseLinearMethod, Linear
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu,
         "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -50,6 +52,30 @@ class Embeddings(nn.Module):
         return self.norm(x)
 
 
+def seq_linear(layer: Linear, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """layer(x) for the flat rows of sequences of `seq_lens`, on torch's GEMM. Batch-invariant mode: one GEMM per
+    sequence, so a sequence's rows depend on its own rows alone (a GEMM library's result depends on the call's row
+    count, never on other calls), a few % slower than one call over all rows. Not the engine's invariant C++ GEMM:
+    an encoder step multiplies thousands of rows, where that runs at a fraction of oneDNN's rate (1/5 on AVX2)."""
+    if type(layer.method) is not DenseLinearMethod:
+        return layer(x)  # (encoders load dense weights: a guard for other methods, which keep their own kernels)
+    if not current_mode().invariant or len(seq_lens) == 1:
+        return _dense(layer, x)
+    out = x.new_empty(x.shape[0], layer.output_size)
+    start = 0
+    for n in seq_lens:  # rows start..start+n of `out` are a contiguous view: the GEMM writes them in place
+        _dense(layer, x[start:start + n], out[start:start + n])
+        start += n
+    return out
+
+
+def _dense(layer: Linear, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    w = layer.weight.t()
+    if layer.bias is None:
+        return torch.mm(x, w, out=out)
+    return torch.addmm(layer.bias, x, w, out=out)
+
+
 class EncoderLayer(nn.Module):
     """x = norm(x + attention(x)); x = norm(x + mlp(x))."""
 
@@ -69,24 +95,24 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, seq_lens: list[int], rope: tuple[torch.Tensor, torch.Tensor] | None
                 ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k, v = seq_linear(self.qkv, x, seq_lens).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = torch.empty_like(q)
         start = 0
-        for n in seq_lens:  # each sequence attends to itself only: [heads, n, d]
+        for n in seq_lens:  # each sequence attends to itself only: [1, heads, n, d] (4-D: torch's flash kernel)
             s = slice(start, start + n)
-            out[s] = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1),
-                                                    v[s].transpose(0, 1)).transpose(0, 1)
+            out[s] = F.scaled_dot_product_attention(q[s].transpose(0, 1)[None], k[s].transpose(0, 1)[None],
+                                                    v[s].transpose(0, 1)[None])[0].transpose(0, 1)
             start += n
-        x = self.attn_norm(x + self.o(out.reshape(t, -1)))
-        up = self.up(x)
+        x = self.attn_norm(x + seq_linear(self.o, out.view(t, -1), seq_lens))
+        up = seq_linear(self.up, x, seq_lens)
         if self.gated:
             gate, up = up.chunk(2, dim=-1)
             up = self.act(gate) * up
         else:
             up = self.act(up)
-        return self.out_norm(x + self.down(up))
+        return self.out_norm(x + seq_linear(self.down, up, seq_lens))
 
 
 class ClassifierHead(nn.Module):

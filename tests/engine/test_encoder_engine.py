@@ -67,6 +67,15 @@ def test_embed_matches_sentence_transformers(embedders, kind):
     assert [o.outputs.embedding for o in small] == [o.outputs.embedding for o in big]
 
 
+def test_batch_dependent_kernels_agree(embedders):
+    """--no-batch-invariant runs each layer's GEMM once over the step's rows, not once per sequence: the same
+    vectors to rounding."""
+    path = embedders["bert"][0]
+    invariant = _llm(path).embed(TEXTS, use_tqdm=False)
+    _assert_cosine(_llm(path, batch_invariant=False).embed(TEXTS, use_tqdm=False),
+                   [o.outputs.embedding for o in invariant], "batch-dependent")
+
+
 def test_default_pooling_is_cls_normalised(embedders, root):
     """Without sentence-transformers files a BERT embeds as vLLM's: the [CLS] row, L2-normalised."""
     import transformers
