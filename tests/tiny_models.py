@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -150,9 +151,46 @@ def hf_model_from_gguf(path: str, dtype: torch.dtype):
     kwargs = {}
     if hasattr(transformers, "GgufConfig"):
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    file = Path(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype,
-                                                             **kwargs).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(_without_vocabulary_arrays(path, tmp))
+        return transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype,
+                                                                 **kwargs).eval()
+
+
+def _without_vocabulary_arrays(path: str, directory: str) -> str:
+    """A copy of the GGUF file without its tokenizer arrays (tokens, scores, merges) for transformers' model
+    loader, which parses every metadata entry twice in Python (a 262k vocabulary: most of a minute) and needs none
+    of them but the vocabulary's size, added as `{arch}.vocab_size` where the file has no such entry. Tensors and
+    every other entry are copied byte for byte."""
+    import struct
+
+    import numpy as np
+
+    from pagedllm.model.gguf_reader import StringArray, read_gguf
+
+    f = read_gguf(path)
+    try:
+        arch, meta = f.architecture, f.metadata
+        keys = [k for k in f.kv_spans
+                if not (k.startswith("tokenizer.") and isinstance(meta[k], list | np.ndarray | StringArray))]
+        extra = b""
+        if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens" in meta:
+            key = f"{arch}.vocab_size".encode()
+            extra = struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, len(meta["tokenizer.ggml.tokens"]))
+        data_start = min(t.offset for t in f.tensors.values())
+        infos = b"".join(struct.pack("<Q", len(t.name.encode())) + t.name.encode() + struct.pack("<I", len(t.shape))
+                         + struct.pack(f"<{len(t.shape)}Q", *reversed(t.shape))
+                         + struct.pack("<IQ", t.ggml_type, t.offset - data_start) for t in f.tensors.values())
+        head = b"GGUF" + struct.pack("<IQQ", f.version, len(f.tensors), len(keys) + bool(extra))
+        head += b"".join(f.blob[slice(*f.kv_spans[k])].tobytes() for k in keys) + extra + infos
+        align = meta.get("general.alignment", 32)
+        out = os.path.join(directory, os.path.basename(path))
+        with open(out, "wb") as fh:
+            fh.write(head + bytes(-len(head) % align))
+            fh.write(memoryview(f.blob[data_start:]))
+    finally:
+        f.close()
+    return out
 
 
 def add_sentence_transformers_files(path: Path, pooling: str | None = "lasttoken", normalize: bool = True) -> Path:
