@@ -4,7 +4,7 @@
 rank --rank on every attention and MLP projection of the model (written as PEFT directories, as a fine-tune would
 leave them), the offline workload's shape (prompts U[32,256], outputs U[64,128], ignore_eos) with request i run on
 adapter i mod (adapters + 1) (the last share: the base model). Three runs on one engine (LoRA on, max_loras =
-adapters), alternating, medians over --repeats: every request on the base model, the mixed batch, and the mixed batch
+adapters), alternating, medians over --repeats (the ratios: the median of each round's own ratio): every request on the base model, the mixed batch, and the mixed batch
 with every request on one adapter. Also the same batch on an engine without LoRA (what enabling it costs a base-only
 workload). Target (issue 57): mixed >= 0.8x base alone.
 """
@@ -62,6 +62,7 @@ def write_random_adapter(path: str, cfg, rank: int, seed: int) -> str:
 
 
 def _run(llm, prompts, params, loras) -> tuple[float, int]:
+    llm.engine.reset_prefix_cache()  # every run cold: the runs repeat the same prompts, under other adapters
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
@@ -100,10 +101,12 @@ def measure(args: argparse.Namespace) -> dict:
                 t, tokens[name] = _run(llm, prompts, params, loras)
                 times[name].append(t)
                 print(f"{name}: {tokens[name] / t:.1f} tok/s", file=sys.stderr, flush=True)
-    base = tokens["base alone (LoRA on)"] / statistics.median(times["base alone (LoRA on)"])
+    base = "base alone (LoRA on)"
+    # this VM's speed drifts by tens of % between minutes: each round's own ratio to its base run, then the median
     rows = [{"batch": name, "requests": n, "output_tokens": tokens[name],
              "tok_s": tokens[name] / statistics.median(times[name]),
-             "vs_base_alone": tokens[name] / statistics.median(times[name]) / base} for name in runs]
+             "vs_base_alone": statistics.median(tb / t for t, tb in zip(times[name], times[base], strict=True))}
+            for name in runs]
     print(common.table(rows, title=f"LoRA: {args.adapters} adapters of rank {args.rank} + base, {n} requests "
                                    f"(request i on adapter i mod {args.adapters + 1}), greedy"))
     payload = {"bench": "lora", "env": common.environment(args.threads), "adapters": args.adapters,

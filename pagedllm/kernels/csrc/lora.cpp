@@ -6,7 +6,8 @@
 // hi <= lo: an unused rank, skipped). A row is computed by itself, the same way whatever else is in the call:
 // u[c] = A[s][c] . x[i] as 16 lane sums in increasing k then one fixed tree (the invariant GEMM's scheme), then
 // delta[n] = sum over c, in increasing c, of u[c] * bt[s][c][n], then out[i][n] += delta[n] rounded once to out's
-// dtype. So a request's tokens do not depend on its batch, nor on the slot its adapter sits in.
+// dtype. So a request's tokens do not depend on its batch, nor on the slot its adapter sits in. Up to kRun
+// consecutive rows of one slot go together (a prompt's rows): the same arithmetic per row, each weight row read once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -50,33 +51,50 @@ void store(T* p, int64_t i, float v) {
     p[i] = pagedllm::f32_to_bf16(v);
 }
 
+constexpr int64_t kRun = 8;  // consecutive rows of one slot computed together: each A and B row read once for them
+
 template <typename T>
 void lora_rows(T* out, const T* x, const float* a, const float* bt, const int32_t* lo, const int32_t* hi,
                const int64_t* row_slot, int64_t rows, int64_t S, int64_t C, int64_t K, int64_t N) {
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(row_slot[i] < S, "lora_apply: row ", i, " names a slot of ", S);
   pagedllm::parallel_balanced(rows, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> xf(K), u(C), delta(N);
-    for (int64_t i = r0; i < r1; ++i) {
+    std::vector<float> xf(kRun * K), u(kRun * C), delta(kRun * N);
+    for (int64_t i = r0; i < r1;) {
       const int64_t s = row_slot[i];
-      if (s < 0) continue;
-      TORCH_CHECK(s < S, "lora_apply: row ", i, " names slot ", s, " of ", S);
-      for (int64_t k = 0; k < K; ++k) xf[k] = load(x + i * K, k);
+      if (s < 0) {
+        ++i;
+        continue;
+      }
+      int64_t run = 1;  // a prompt's rows are consecutive and share their adapter
+      while (run < kRun && i + run < r1 && row_slot[i + run] == s) ++run;
+      for (int64_t r = 0; r < run; ++r)
+        for (int64_t k = 0; k < K; ++k) xf[r * K + k] = load(x + (i + r) * K, k);
       int64_t first = N, last = 0;
       for (int64_t c = 0; c < C; ++c) {
         const int64_t l = lo[s * C + c], h = hi[s * C + c];
         if (h <= l) continue;
-        u[c] = dot16(a + (s * C + c) * K, xf.data(), K);
+        for (int64_t r = 0; r < run; ++r) u[r * C + c] = dot16(a + (s * C + c) * K, xf.data() + r * K, K);
         first = std::min(first, l), last = std::max(last, h);
       }
-      if (first >= last) continue;
-      std::fill(delta.begin() + first, delta.begin() + last, 0.f);
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t l = lo[s * C + c], h = hi[s * C + c];
-        if (h <= l) continue;
-        const float uc = u[c], *b = bt + (s * C + c) * N;
-        for (int64_t n = l; n < h; ++n) delta[n] += uc * b[n];
+      if (first < last) {
+        for (int64_t r = 0; r < run; ++r) std::fill(delta.begin() + r * N + first, delta.begin() + r * N + last, 0.f);
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t l = lo[s * C + c], h = hi[s * C + c];
+          if (h <= l) continue;
+          const float* b = bt + (s * C + c) * N;
+          for (int64_t r = 0; r < run; ++r) {
+            const float uc = u[r * C + c];
+            float* d = delta.data() + r * N;
+            for (int64_t n = l; n < h; ++n) d[n] += uc * b[n];
+          }
+        }
+        for (int64_t r = 0; r < run; ++r) {
+          T* o = out + (i + r) * N;
+          const float* d = delta.data() + r * N;
+          for (int64_t n = first; n < last; ++n) store(o, n, load(o, n) + d[n]);
+        }
       }
-      T* o = out + i * N;
-      for (int64_t n = first; n < last; ++n) store(o, n, load(o, n) + delta[n]);
+      i += run;
     }
   });
 }
