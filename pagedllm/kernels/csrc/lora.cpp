@@ -6,8 +6,9 @@
 // hi <= lo: an unused rank, skipped). A row is computed by itself, the same way whatever else is in the call:
 // u[c] = A[s][c] . x[i] as 16 lane sums in increasing k then one fixed tree (the invariant GEMM's scheme), then
 // delta[n] = sum over c, in increasing c, of u[c] * bt[s][c][n], then out[i][n] += delta[n] rounded once to out's
-// dtype. So a request's tokens do not depend on its batch, nor on the slot its adapter sits in. Up to kRun
-// consecutive rows of one slot go together (a prompt's rows): the same arithmetic per row, each weight row read once.
+// dtype. So a request's tokens do not depend on its batch, nor on the slot its adapter sits in. Up to kRun rows
+// of one slot go together (a prompt's rows, a decode step's rows of one adapter): the same arithmetic per row, each
+// weight row read once for all of them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,7 +52,7 @@ void store(T* p, int64_t i, float v) {
     p[i] = pagedllm::f32_to_bf16(v);
 }
 
-constexpr int64_t kRun = 8;  // consecutive rows of one slot computed together: each A and B row read once for them
+constexpr int64_t kRun = 8;  // rows of one slot computed together: each A and B row read once for them
 
 template <typename T>
 void lora_rows(T* out, const T* x, const float* a, const float* bt, const int32_t* lo, const int32_t* hi,
@@ -59,16 +60,17 @@ void lora_rows(T* out, const T* x, const float* a, const float* bt, const int32_
   for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(row_slot[i] < S, "lora_apply: row ", i, " names a slot of ", S);
   pagedllm::parallel_balanced(rows, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> xf(kRun * K), u(kRun * C), delta(kRun * N);
-    for (int64_t i = r0; i < r1;) {
-      const int64_t s = row_slot[i];
-      if (s < 0) {
-        ++i;
-        continue;
-      }
-      int64_t run = 1;  // a prompt's rows are consecutive and share their adapter
-      while (run < kRun && i + run < r1 && row_slot[i + run] == s) ++run;
+    std::vector<int64_t> order;  // the chunk's adapter rows by slot (a decode step interleaves adapters)
+    for (int64_t i = r0; i < r1; ++i)
+      if (row_slot[i] >= 0) order.push_back(i);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return row_slot[p] < row_slot[q]; });
+    for (size_t next = 0; next < order.size();) {
+      const int64_t s = row_slot[order[next]];
+      int64_t run = 1;
+      while (run < kRun && next + run < order.size() && row_slot[order[next + run]] == s) ++run;
+      const int64_t* idx = order.data() + next;
       for (int64_t r = 0; r < run; ++r)
-        for (int64_t k = 0; k < K; ++k) xf[r * K + k] = load(x + (i + r) * K, k);
+        for (int64_t k = 0; k < K; ++k) xf[r * K + k] = load(x + idx[r] * K, k);
       int64_t first = N, last = 0;
       for (int64_t c = 0; c < C; ++c) {
         const int64_t l = lo[s * C + c], h = hi[s * C + c];
@@ -89,12 +91,12 @@ void lora_rows(T* out, const T* x, const float* a, const float* bt, const int32_
           }
         }
         for (int64_t r = 0; r < run; ++r) {
-          T* o = out + (i + r) * N;
+          T* o = out + idx[r] * N;
           const float* d = delta.data() + r * N;
           for (int64_t n = first; n < last; ++n) store(o, n, load(o, n) + d[n]);
         }
       }
-      i += run;
+      next += run;
     }
   });
 }
