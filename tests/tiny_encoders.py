@@ -14,6 +14,8 @@ import pytest
 import torch
 from tiny_models import CORPUS
 
+from pagedllm.testing.random_weights import randomize
+
 BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 XLMR_SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # XLM-R's order: pad id 1, so positions start at 2
 
@@ -57,20 +59,6 @@ def unigram_tokenizer(vocab_size: int = 200):
         single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", cls_token="<s>", sep_token="</s>", mask_token="<mask>")
-
-
-def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Fresh weights with O(1) activations: norms near 1, biases small, matrices scaled by their width."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape))
-            else:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape))
-    return model.eval()
 
 
 def make_encoder(path: Path, kind: str = "bert", seed: int = 0, **overrides) -> Path:

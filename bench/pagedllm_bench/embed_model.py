@@ -75,24 +75,16 @@ def wordpiece_tokenizer(vocab: list[str], max_length: int):
 def write_hf(path: str, shape: EncoderShape, seed: int = 0) -> str:
     """The random BertModel (seeded; weights scaled for O(1) activations), its WordPiece tokenizer and the
     sentence-transformers files of a CLS-pooled, normalised embedder (as bge)."""
-    import torch
     import transformers
+
+    from pagedllm.testing.random_weights import randomize
 
     os.makedirs(path, exist_ok=True)
     wordpiece_tokenizer(wordpiece_vocab(shape.vocab, seed), shape.max_positions).save_pretrained(path)
     cfg = transformers.BertConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                                   num_attention_heads=shape.heads, intermediate_size=shape.ffn,
                                   max_position_embeddings=shape.max_positions, type_vocab_size=2, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = transformers.BertModel(cfg, add_pooling_layer=False)
-    with torch.no_grad():  # random init of O(1) activations: norms near 1, small biases, matrices scaled by width
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape))
-            else:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape))
+    model = randomize(transformers.BertModel(cfg, add_pooling_layer=False), seed)
     model.save_pretrained(path, safe_serialization=True)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
