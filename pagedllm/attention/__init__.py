@@ -4,7 +4,13 @@ Every backend has forward(q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D], k_cache, v_cache
 sinks=None) -> [T,Hq,D] (window: each query sees its `window` most recent keys, itself included; sinks [Hq]: a
 logit per query head that joins the softmax's denominator and adds no value, gpt-oss's attention sinks)
 and copy_blocks(kv_caches, pairs). "reference" is the pure-torch oracle; faster backends register themselves
-with a priority and "auto" picks the highest-priority one that is available.
+with a priority per device type they run on, and "auto" picks the highest-priority one that is available for the
+device ("cpu": the C++ kernel; "cuda": the Triton kernel or FlexAttention). A negative priority: the backend runs
+on that device when named, but "auto" never picks it there (Triton interpreted, FlexAttention on the CPU: for
+tests).
+
+The metadata's tensors live on the pool's device; its host lists (query_lens_list, seq_lens_list, max_*) are
+there so that a backend never reads a device tensor back in a step.
 """
 
 from __future__ import annotations
@@ -36,14 +42,17 @@ class AttentionBackend(Protocol):
                     pairs: list[tuple[int, int]]) -> None: ...
 
 
-# name -> (priority, factory). A factory may raise (e.g. ImportError, build failure): then it is unavailable.
-_REGISTRY: dict[str, tuple[int, Callable[[], Any]]] = {"reference": (0, ReferenceBackend)}
+# name -> ({device type: priority}, factory). A factory may raise (e.g. ImportError, build failure): then it is
+# unavailable.
+_REGISTRY: dict[str, tuple[dict[str, int], Callable[[], Any]]] = {
+    "reference": ({"cpu": 0, "cuda": 0}, ReferenceBackend)}
 # Optional modules that register faster backends when imported (missing ones are skipped).
-_OPTIONAL_MODULES = ["pagedllm.attention.cpu"]
+_OPTIONAL_MODULES = ["pagedllm.attention.cpu", "pagedllm.attention.triton_paged", "pagedllm.attention.flex_paged"]
 
 
-def register_backend(name: str, factory: Callable[[], Any], priority: int = 10) -> None:
-    _REGISTRY[name] = (priority, factory)
+def register_backend(name: str, factory: Callable[[], Any], priority: dict[str, int]) -> None:
+    """priority: {device type: priority} for each device the backend runs on (negative: only when named)."""
+    _REGISTRY[name] = (dict(priority), factory)
 
 
 def _load_optional() -> None:
@@ -55,16 +64,23 @@ def _load_optional() -> None:
                 logger.debug("optional attention module %s unavailable: %s", mod, e)
 
 
-def available_backends() -> list[str]:
+def available_backends(device: str | torch.device = "cpu") -> list[str]:
+    """The backends that run on the device's type, the highest priority first (those only named included)."""
     _load_optional()
-    return sorted(_REGISTRY, key=lambda n: -_REGISTRY[n][0])
+    kind = torch.device(device).type
+    names = [n for n in _REGISTRY if kind in _REGISTRY[n][0]]
+    return sorted(names, key=lambda n: -_REGISTRY[n][0][kind])
 
 
-def get_backend(name: str = "auto") -> AttentionBackend:
-    """'reference', another registered name, or 'auto' (the highest-priority backend that builds)."""
+def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
+    """'reference', another registered name, or 'auto' (the highest-priority backend that builds for the device's
+    type)."""
     _load_optional()
+    kind = torch.device(device).type
     if name == "auto":
-        for cand in available_backends():
+        for cand in available_backends(device):
+            if _REGISTRY[cand][0][kind] < 0:
+                continue
             try:
                 backend = _REGISTRY[cand][1]()
             except Exception as e:  # a kernel that fails to build must not stop the engine
@@ -72,7 +88,10 @@ def get_backend(name: str = "auto") -> AttentionBackend:
                 continue
             logger.info("attention backend: %s", cand)
             return backend
-        raise RuntimeError("no attention backend available")
+        raise RuntimeError(f"no attention backend available for {kind}")
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(_REGISTRY)}")
+    if kind not in _REGISTRY[name][0]:
+        raise ValueError(f"attention backend {name!r} does not run on {kind}; backends for {kind}: "
+                         f"{', '.join(available_backends(device))}")
     return _REGISTRY[name][1]()

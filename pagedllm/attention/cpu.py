@@ -42,4 +42,4 @@ class CpuAttentionBackend:
         return paged_attention(q, k_cache, v_cache, meta, scale, mode=mode, window=window, sinks=sinks)
 
 
-register_backend("cpu", CpuAttentionBackend, priority=20)
+register_backend("cpu", CpuAttentionBackend, priority={"cpu": 20})
