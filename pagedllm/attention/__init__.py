@@ -33,6 +33,9 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "build_attention_metadata", 
 
 class AttentionBackend(Protocol):
     name: str
+    # True: the model's other layers may run the C++ CPU kernels beside this backend; absent or False: a device
+    # backend, beside which every layer runs in torch on the pool's device (dispatch.KernelMode.cpu_kernels)
+    cpu_kernels: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -24,6 +24,7 @@ class CpuAttentionBackend:
     """The C++ kernel behind the backend interface."""
 
     name = "cpu"
+    cpu_kernels = True  # the model's other C++ kernels run beside it (dispatch.KernelMode.cpu_kernels)
     copy_blocks = staticmethod(copy_blocks)
 
     def __init__(self, portable: bool = False) -> None:

@@ -38,8 +38,9 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[
     when the caches are views of one [L, 2, N, B, H, D] tensor (allocate_kv_caches), else one per tensor."""
     if not pairs:
         return
-    src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-    dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    device = kv_caches[0][0].device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.long).to(device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(device)
     pool = getattr(kv_caches, "pool", None)
     if pool is not None:
         pool.index_copy_(2, dst, pool.index_select(2, src))
@@ -58,7 +59,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     if mask is None:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
@@ -73,6 +74,7 @@ class ReferenceBackend:
     accurate); the result is cast back to q's dtype."""
 
     name = "reference"
+    cpu_kernels = True  # beside the model's C++ kernels on the CPU (the oracle of the attention alone)
     copy_blocks = staticmethod(copy_blocks)
     decode_group = 32  # decode requests attended per padded SDPA call
 
@@ -82,7 +84,7 @@ class ReferenceBackend:
         """window: each query sees only the `window` most recent keys up to itself (itself included); sinks [Hq]:
         see sdpa."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=torch.float32)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         qf = q.float()
         qlens = meta.query_lens_list
         # single-token requests, by context length, in groups: little padding and a bounded gathered copy
@@ -93,13 +95,12 @@ class ReferenceBackend:
                 self._decode_batch(qf, k_cache, v_cache, meta, scale, decode[i:i + self.decode_group], out, window,
                                    sinks)
             done = set(decode)
-        starts = meta.query_start_loc.tolist()
+        start = 0  # each request's first query row, from the host list (no read back from a device)
         for r, n in enumerate(qlens):
-            if n == 0 or r in done:
-                continue
-            s = starts[r]
-            out[s:s + n] = self._attend_one(qf[s:s + n], k_cache, v_cache, meta.block_tables[r],
-                                            meta.seq_lens_list[r], scale, window, sinks)
+            if n and r not in done:
+                out[start:start + n] = self._attend_one(qf[start:start + n], k_cache, v_cache, meta.block_tables[r],
+                                                        meta.seq_lens_list[r], scale, window, sinks)
+            start += n
         return out.to(q.dtype)
 
     @staticmethod
@@ -115,8 +116,8 @@ class ReferenceBackend:
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         mask = None  # nothing cached: plain causal
         if n != seq_len or window is not None:  # query i sits at position seq_len - n + i and sees the keys up to it
-            qpos = torch.arange(seq_len - n, seq_len)[:, None]  # (within its window)
-            kpos = torch.arange(first, seq_len)[None, :]
+            qpos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]  # (within its window)
+            kpos = torch.arange(first, seq_len, device=q.device)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
@@ -126,16 +127,16 @@ class ReferenceBackend:
     def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, reqs: list[int], out: torch.Tensor, window: int | None,
                       sinks: torch.Tensor | None) -> None:
-        idx = torch.tensor(reqs, dtype=torch.long)
+        idx = torch.tensor(reqs, dtype=torch.long).to(q.device)
         rows = meta.query_start_loc[idx].long()
         seq_lens = meta.seq_lens[idx].long()
         block_size = k_cache.shape[1]
-        max_len = int(seq_lens.max())
+        max_len = max(meta.seq_lens_list[r] for r in reqs)
         nb = -(-max_len // block_size)
         tables = meta.block_tables[idx, :nb].long()  # padded entries point at block 0, masked below
         k = as_float(k_cache[tables].flatten(1, 2)[:, :max_len], q.dtype)  # [R, L, Hkv, D]
         v = as_float(v_cache[tables].flatten(1, 2)[:, :max_len], q.dtype)
-        kpos = torch.arange(max_len)[None, :]
+        kpos = torch.arange(max_len, device=q.device)[None, :]
         mask = kpos < seq_lens[:, None]
         if window is not None:  # keys outside the window are masked; their (maybe freed) blocks read as padding
             mask &= kpos >= seq_lens[:, None] - window

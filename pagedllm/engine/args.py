@@ -92,6 +92,12 @@ class EngineArgs:
     # vLLM's hf_overrides; read here: {"classifier_from_token": ["no", "yes"]} makes a causal LM a reranker (the
     # pooling runner scores pairs by those two tokens' logits at the last token, as Qwen3-Reranker)
     hf_overrides: dict | None = None
+    # where the model runs: "cpu" (the C++ kernels), "cuda" (dense bf16 weights, Triton/FlexAttention attention,
+    # the block pool in GPU memory; engine/placement.py) or "auto" (a GPU where torch sees one)
+    device: str = "cpu"
+    # on a GPU, the share of its memory the engine may take; the KV pool gets what the weights and a profiled
+    # step leave of it (as vLLM's; kv_cache_memory sizes the pool on the CPU)
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,6 +124,10 @@ class EngineArgs:
         if self.prefill_order not in ("shortest", "fcfs"):
             raise ValueError(f"prefill_order must be 'shortest' or 'fcfs', got {self.prefill_order!r}")
         self.max_step_ms = parse_step_ms(self.max_step_ms)
+        if not (isinstance(self.device, str) and re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("max_loras", "max_lora_rank"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -210,6 +220,11 @@ class EngineArgs:
         g.add_argument("--hf-overrides", type=json.loads, default=None, metavar="JSON",
                        help='as vLLM\'s; \'{"classifier_from_token": ["no", "yes"]}\' serves a causal LM as a '
                             'reranker (Qwen3-Reranker) with --runner pooling')
+        g.add_argument("--device", default=d.device, metavar="cpu|cuda|auto",
+                       help="where the model runs: cpu (the C++ kernels, GGUF blocks as stored), cuda (bf16 weights "
+                            "and the KV cache on the GPU) or auto (a GPU where torch sees one)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="share of the GPU's memory the engine may take (weights, activations, the KV cache)")
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

@@ -22,6 +22,7 @@ from pagedllm.engine.disk_tier import make_disk_tier
 from pagedllm.engine.fault_isolation import execute_isolating_faults
 from pagedllm.engine.lora_registry import LoRARegistry, ReadLoRA, lora_cache_salt
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
+from pagedllm.engine.placement import gpu_kv_budget, place
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.scoring import check_pair_length, tokenize_pair
 from pagedllm.engine.speculative import make_speculator
@@ -56,7 +57,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(args.model)
-        loaded = load_model(self.model_path, args.dtype, quantization=args.quantization)
+        self.placement = placement = place(args)
+        loaded = load_model(self.model_path, placement.dtype, quantization=placement.quantization)
+        loaded.model.to(placement.device)
         self.dtype = dtype = loaded.dtype  # "auto" is decided by the loader (it knows the weight format)
         self.args = args
         self.generation_defaults = generation_defaults(self.model_path, args.generation_config,
@@ -73,7 +76,7 @@ class LLMEngine:
         self.kv_groups = plan_kv_groups([cfg.layer_window(i) for i in range(cfg.num_layers)], self.max_model_len,
                                         hybrid=args.hybrid_kv_cache and args.kv_layout == "paged")
         num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            cfg, args.block_size, self.kv_dtype, parse_bytes(args.kv_cache_memory), self.kv_groups.group_size)
+            cfg, args.block_size, self.kv_dtype, self._kv_budget(loaded.model), self.kv_groups.group_size)
         self.kv = make_kv_cache_manager(num_blocks, args.block_size, self.kv_groups,
                                         enable_prefix_caching=args.enable_prefix_caching, kv_layout=args.kv_layout,
                                         max_model_len=self.max_model_len)
@@ -88,7 +91,8 @@ class LLMEngine:
         lora = LoRAManager(loaded.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.loras = None if lora is None else LoRARegistry(lora, cfg, self._runs_adapter)
         self.runner = ModelRunner(loaded.model, self.model_config, num_blocks=num_blocks, block_size=args.block_size,
-                                  kv_dtype=self.kv_dtype, attention_backend=args.attention_backend,
+                                  kv_dtype=self.kv_dtype, attention_backend=placement.backend,
+                                  device=placement.device,
                                   batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed,
                                   pooling=self.pooling_config, lora=lora)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -113,6 +117,22 @@ class LLMEngine:
                     "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
                     num_blocks, args.block_size, num_blocks * args.block_size, self.kv_cache_dtype_name(),
                     self.kv_bytes_per_token())
+
+    def _kv_budget(self, model) -> int:
+        """The KV pool's bytes: kv_cache_memory on the CPU; on a GPU what a profiled largest step leaves of
+        gpu_memory_utilization (engine/placement.py)."""
+        args, device = self.args, self.placement.device
+        if device.type == "cpu":
+            return parse_bytes(args.kv_cache_memory)
+
+        def profile() -> None:  # the largest step over a throwaway pool just big enough for it
+            tokens = args.max_num_batched_tokens
+            runner = ModelRunner(model, self.model_config, num_blocks=-(-tokens // args.block_size) + 1,
+                                 block_size=args.block_size, kv_dtype=self.kv_dtype,
+                                 attention_backend=self.placement.backend, device=device, layout=self.kv_groups)
+            runner.profile_step(tokens, min(args.max_num_seqs, tokens))
+
+        return gpu_kv_budget(device, args.gpu_memory_utilization, profile)
 
     @property
     def task(self) -> str:

@@ -44,6 +44,9 @@ class KernelMode:
 
     invariant: bool = True  # a row's result never depends on the rest of the batch (the engine's default)
     portable: bool = False  # the plain C++ attention path, not the vector ones (their oracle)
+    # False: no C++ op runs (kernel_op/kernel_class answer None), every layer takes its torch path: a model on a
+    # GPU, or on the CPU with a device attention backend (FlexAttention, Triton), which is how tests run that path
+    cpu_kernels: bool = True
 
 
 DEFAULT_MODE = KernelMode()
@@ -90,15 +93,24 @@ def _runs(name: str) -> bool:
     return bool(capabilities()) and (needs is None or has(needs))
 
 
-@cache
 def kernel_op(name: str) -> Any:
-    """The extension's op `name`, or None where the extension is not built or lacks what the op needs."""
+    """The extension's op `name`, or None where the extension is not built, lacks what the op needs, or the
+    forward's mode runs no C++ kernel (KernelMode.cpu_kernels)."""
+    return _op(name) if _mode.get().cpu_kernels else None
+
+
+def kernel_class(name: str) -> Any:
+    """The extension's TorchScript class `name` (torch.classes.pagedllm_cpu), or None like kernel_op."""
+    return _class(name) if _mode.get().cpu_kernels else None
+
+
+@cache
+def _op(name: str) -> Any:
     return getattr(load_ops(), name) if _runs(name) else None
 
 
 @cache
-def kernel_class(name: str) -> Any:
-    """The extension's TorchScript class `name` (torch.classes.pagedllm_cpu), or None like kernel_op."""
+def _class(name: str) -> Any:
     if not _runs(name):
         return None
     load_ops()

@@ -58,14 +58,14 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 
 def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
                        num_blocks: int | None = None, budget_bytes: int | None = None,
-                       layout: KVGroupLayout | None = None) -> KVCacheList:
+                       layout: KVGroupLayout | None = None, device: torch.device | str = "cpu") -> KVCacheList:
     """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim] of dtype (the
     KV dtype: the compute dtype, or torch.int8 for int8 rows of head_dim + 2 bytes, see resolve_kv_dtype).
 
     layout: the KV groups (None: one group of every layer). All pools are views of one allocation. Zero-filled:
     padded reads of never-written slots must be finite (masked attention weights are 0, but 0 * NaN is NaN). The
     allocation is an anonymous mapping, so the OS zero-fills each page when it is first touched: the pool is
-    resident only for the blocks requests have used.
+    resident only for the blocks requests have used. On another device (a GPU) it is allocated there, zeroed.
     """
     if num_blocks is None:
         if budget_bytes is None:
@@ -74,8 +74,10 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     where = [layout.position(i) if layout else (0, i) for i in range(cfg.num_layers)]
-    pool = _zeroed_on_touch((layout.group_size if layout else cfg.num_layers, 2, num_blocks, block_size,
-                             cfg.num_kv_heads, row_elems(cfg.head_dim, dtype)), dtype)
+    shape = (layout.group_size if layout else cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+             row_elems(cfg.head_dim, dtype))
+    device = torch.device(device)
+    pool = _zeroed_on_touch(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
     per_block = kv_bytes_per_block(cfg, block_size, dtype, pool.shape[0])
     logger.info("KV cache: %d blocks of %d tokens = %d tokens of capacity (%d KV groups of %d layers; %.1f MiB, %s, "
                 "%d bytes per token of a group)", num_blocks, block_size, num_blocks * block_size,
@@ -84,7 +86,7 @@ def allocate_kv_caches(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     caches = KVCacheList((pool[p, 0], pool[p, 1]) for _, p in where)
     caches.pool = pool
     caches.layer_group = [g for g, _ in where]
-    caches.pool_rows = torch.tensor([p for _, p in where], dtype=torch.int64)
+    caches.pool_rows = torch.tensor([p for _, p in where], dtype=torch.int64, device=device)
     return caches
 
 

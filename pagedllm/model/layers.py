@@ -130,15 +130,17 @@ class RotaryEmbedding(nn.Module):
         self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # long -> float32 cos, sin of positions 0..
 
     def _table(self, long: bool, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.inv_freq.device  # (a buffer: it follows the model to its device)
         cos, sin = self._tables.get(long, (torch.empty(0), torch.empty(0)))
-        if needed > cos.shape[0]:
+        if needed > cos.shape[0] or cos.device != device:
             size = -(-needed // self.TABLE_STEP) * self.TABLE_STEP
-            inv_freq = self.long_inv_freq if long else self.inv_freq
-            freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :].float()
+            inv_freq = (self.long_inv_freq if long else self.inv_freq).to(device)
+            freqs = torch.arange(size, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :].float()
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
             if self._scale is not None:
-                cos, sin = cos * self._scale, sin * self._scale
+                scale = self._scale.to(device)
+                cos, sin = cos * scale, sin * scale
             self._tables[long] = cos, sin
         return cos, sin
 

@@ -62,7 +62,7 @@ class SparseMoE(nn.Module):
             for j in range(1, k):
                 out += self.experts[int(experts[0, j])](x) * w[j]
             return out
-        slots = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype)  # row t * k + j: slot j of token t
+        slots = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype, device=x.device)  # row t * k + j: slot j of t
         for e, idx in group_by_expert(experts, self.num_experts):
             slots[idx] = self.experts[e](x[idx // k]) * w[idx]
         slots = slots.view(x.shape[0], k, x.shape[1])

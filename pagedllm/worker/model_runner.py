@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy as np
 import torch
 
-from pagedllm.attention import copy_blocks, get_backend
-from pagedllm.attention.metadata import build_attention_metadata, compute_positions
+from pagedllm.attention import AttentionBackend, copy_blocks, get_backend
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata, compute_positions
 from pagedllm.core.kv_groups import KVGroupLayout
 from pagedllm.core.scheduler import ScheduledRequest
 from pagedllm.core.step import RunnerOutput
@@ -21,6 +22,7 @@ from pagedllm.model.pooling_config import PoolingConfig
 from pagedllm.worker.pooler import Pooler, finish_embedding
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
+from pagedllm.worker.step_upload import StepUpload
 
 
 def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow], list[int]]:
@@ -49,7 +51,7 @@ def sampling_rows(scheduled: list[ScheduledRequest]) -> tuple[list[SamplingRow],
 
 def _all_finite(logits: torch.Tensor) -> bool:
     op = kernel_op("all_finite")
-    if op is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+    if op is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous():
         return op(logits)
     return math.isfinite(logits.sum().item())
 
@@ -59,7 +61,7 @@ def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -
     the engine fails those requests instead of sampling from them."""
     if not logits.numel() or _all_finite(logits):  # one pass over the whole batch: the usual case
         return []
-    finite = torch.isfinite(logits.sum(-1))
+    finite = torch.isfinite(logits.sum(-1)).cpu()
     bad, row = [], 0
     for i, s in enumerate(scheduled):
         if s.num_logits and not bool(finite[row:row + s.num_logits].all()):
@@ -70,21 +72,33 @@ def nonfinite_entries(scheduled: list[ScheduledRequest], logits: torch.Tensor) -
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, *, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, attention_backend: str = "auto", batch_invariant: bool = True,
-                 layout: KVGroupLayout | None = None, seed: int = 0,
-                 pooling: PoolingConfig | None = None, lora: LoRAManager | None = None) -> None:
+                 kv_dtype: torch.dtype, attention_backend: str | AttentionBackend = "auto",
+                 batch_invariant: bool = True, layout: KVGroupLayout | None = None, seed: int = 0,
+                 pooling: PoolingConfig | None = None, lora: LoRAManager | None = None,
+                 device: torch.device | str = "cpu") -> None:
         """The settings after the model and its config are keywords: several are ints or bools, which a positional
         call could swap unseen. kv_dtype: the KV pool's dtype (the compute dtype, or torch.int8:
         model/kv_cache.resolve_kv_dtype). layout: the KV groups (core/kv_groups.py; None: one group of every
         layer). seed: the sampler's generator (rows without a seed of their own). pooling: how prefill-only
         requests pool their hidden states (the pooling runner; None: the engine only generates). lora: the
-        adapters' slots (None: LoRA off)."""
+        adapters' slots (None: LoRA off). device: where the model's weights are and the KV pool goes.
+
+        The attention backend decides the path: beside the C++ CPU backend every layer may run its C++ kernel;
+        beside a device backend (FlexAttention, Triton) the model runs in torch ops on `device`, its inputs copied
+        there once per step (StepUpload), and only the sampled tokens come back: the GPU's path, which the
+        tests run on the CPU."""
         self.model = model
         self.lora = lora
-        self.kernel_mode = KernelMode(invariant=batch_invariant)  # every forward runs in it (engines may differ)
+        self.device = torch.device(device)
         self.block_size = block_size
-        self.backend = get_backend(attention_backend)
-        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks, layout=layout)
+        self.backend = (get_backend(attention_backend, self.device) if isinstance(attention_backend, str)
+                        else attention_backend)
+        cpu_kernels = bool(getattr(self.backend, "cpu_kernels", False)) and self.device.type == "cpu"
+        # every forward runs in it (engines may differ)
+        self.kernel_mode = KernelMode(invariant=batch_invariant, cpu_kernels=cpu_kernels)
+        self.upload = None if cpu_kernels else StepUpload(self.device)
+        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks, layout=layout,
+                                            device=self.device)
         self.num_groups = layout.num_groups if layout else 1
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
@@ -94,7 +108,8 @@ class ModelRunner:
         # [rows, vocab] float32 tensor per step would page-fault all of it in again at large batches
         # (the 256-running decode step of `pagedllm bench engine` measures it).
         self.vocab_size = config.vocab_size
-        self._logits = torch.empty(0, self.vocab_size)  # 2-D even when empty: a step may sample no row
+        # 2-D even when empty: a step may sample no row
+        self._logits = torch.empty(0, self.vocab_size, device=self.device)
 
     def _pooled(self, vector: torch.Tensor, req, dtype: torch.dtype) -> list[float]:
         """An embedding, or for a decoder reranker (PoolingConfig.score_tokens) its score: softmax over the "no" and
@@ -123,6 +138,28 @@ class ModelRunner:
                 out.sampled = self.sampler(logits if identity else logits[logit_rows], rows, token_bitmask)
         return out
 
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, num_rows: int) -> None:
+        """One forward of the largest step (one prompt of num_tokens tokens over this runner's pool, which must
+        hold them) and its logits for num_rows rows: what a GPU's KV budget subtracts (engine/placement.py)."""
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        positions = compute_positions([0], [num_tokens])
+        metas = [build_attention_metadata([blocks], [0], [num_tokens], self.block_size, positions)] * self.num_groups
+        ids = [i % self.vocab_size for i in range(num_tokens)]
+        with forward_context(self.kernel_mode):
+            hidden = self.model(*self._model_inputs(ids, positions, metas))
+            rows = hidden[-1:].expand(min(num_rows, num_tokens), -1).contiguous()
+            self.model.compute_logits(rows).log_softmax(-1)  # (the sampler's largest temporary)
+
+    def _model_inputs(self, token_ids: list[int], positions: np.ndarray, metas: list[AttentionMetadata]) -> tuple:
+        """The model's arguments: token ids, positions, the KV caches and the metadata (one, or one per layer),
+        on the model's device."""
+        if self.upload is None:
+            ids, pos = torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions)
+        else:
+            ids, pos, metas = self.upload(token_ids, positions, metas)
+        return ids, pos, self.kv_caches, metas[0] if len(metas) == 1 else [metas[g] for g in self.kv_caches.layer_group]
+
     def _adapters(self, scheduled: list[ScheduledRequest]) -> contextlib.AbstractContextManager:
         """The LoRA adapter of every new token's row (a no-op without adapters)."""
         if self.lora is None or all(s.request.lora_id is None for s in scheduled):
@@ -146,14 +183,13 @@ class ModelRunner:
         positions = compute_positions(num_computed, num_new)
         tables = [[s.block_ids[g] for s in scheduled] for g in range(self.num_groups)]
         metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in tables]
-        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.kv_caches.layer_group]
         with self._adapters(scheduled):
-            hidden = self.model(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions),
-                                self.kv_caches, meta)
+            hidden = self.model(*self._model_inputs(token_ids, positions, metas))
         if not logit_rows:  # a step of prefill chunks only
-            return torch.empty(0, self.vocab_size), hidden
+            return torch.empty(0, self.vocab_size, device=self.device), hidden
         if self._logits.shape[0] < len(logit_rows):
-            self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32)
+            self._logits = torch.empty(len(logit_rows), self.vocab_size, dtype=torch.float32, device=self.device)
         # logit rows are increasing and distinct: as many as the tokens means every token (a decode step), no gather
-        rows = hidden if len(logit_rows) == len(hidden) else hidden[torch.tensor(logit_rows, dtype=torch.int64)]
+        rows = hidden if len(logit_rows) == len(hidden) else \
+            hidden[torch.tensor(logit_rows, dtype=torch.int64).to(self.device)]
         return self.model.compute_logits(rows, out=self._logits[:len(logit_rows)]), hidden

@@ -25,7 +25,7 @@ def prompt_logprobs(model: Any, hidden: torch.Tensor, scheduled: list[ScheduledR
         last = min(c + n, req.num_prompt_tokens - 1)  # hidden rows c..last-1 predict prompt tokens c+1..last
         if k is not None and last > c:
             logprobs = model.compute_logits(hidden[start:start + last - c]).float().log_softmax(-1)
-            targets = torch.tensor(req.prompt_token_ids[c + 1:last + 1], dtype=torch.int64)
+            targets = torch.tensor(req.prompt_token_ids[c + 1:last + 1], dtype=torch.int64).to(logprobs.device)
             chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
             ranks = ((logprobs > chosen[:, None]).sum(-1) + 1).tolist()
             top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)

@@ -36,13 +36,16 @@ class TokenBitmask:
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
-    """-inf for the tokens each constrained row may not take, in place: one unpack of the packed bits and one
-    masked fill over those rows (the other rows are not touched)."""
-    vocab = logits.shape[1]
-    allowed = np.unpackbits(mask.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    rows = torch.tensor(mask.rows, dtype=torch.int64)
+    """-inf for the tokens each constrained row may not take, in place: the packed bits go to the logits' device
+    as they are (a GPU unpacks them there: 32x fewer bytes over the bus), one unpack and one masked fill over those
+    rows (the other rows are not touched)."""
+    device = logits.device
+    token = torch.arange(logits.shape[1], device=device)
+    words = torch.from_numpy(np.ascontiguousarray(mask.bitmask)).to(device)
+    allowed = (words[:, token // 32] >> (token % 32)) & 1
+    rows = torch.tensor(mask.rows, dtype=torch.int64).to(device)
     with torch.inference_mode():  # the logits may be the runner's (inference-mode) buffer
-        logits[rows] = logits[rows].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
+        logits[rows] = logits[rows].masked_fill_(allowed == 0, float("-inf"))
 
 
 def _token_mask(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -65,12 +68,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     repeated = any(r.params.repetition_penalty != 1.0 for r in rows)
     vocab = logits.shape[1]
     if counted:
-        presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype)
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype)
+        presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype).to(logits.device)
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype).to(logits.device)
         counts = _token_mask([r.output_token_ids for r in rows], vocab, logits.device)
         logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
     if repeated:
-        repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)
+        repetition = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype).to(logits.device)
         seen = _token_mask([r.prompt_token_ids + r.output_token_ids for r in rows], vocab, logits.device) > 0
         rp = repetition[:, None]
         penalised = torch.where(logits > 0, logits / rp, logits * rp)
@@ -109,17 +112,17 @@ def apply_logit_rules(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         if not _has_rules(p):
             continue
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64).to(logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype).clamp_(-100.0, 100.0)
-            logits[i].index_add_(0, ids, bias)
+            logits[i].index_add_(0, ids, bias.to(logits.device))
         if p.allowed_token_ids:
-            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.int64).to(logits.device)
             allowed = logits[i, keep]
             logits[i] = float("-inf")
             logits[i, keep] = allowed
         banned = _banned_tokens(r)
         if banned:
-            logits[i, torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+            logits[i, torch.tensor(banned, dtype=torch.int64).to(logits.device)] = float("-inf")
     return logits
 
 
@@ -154,14 +157,15 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def sample_by_sorting(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                       uniforms: torch.Tensor) -> torch.Tensor:
     """min-p, then top-k, then top-p over what they kept (vLLM's order), by sorting each row: the plain
-    definition, used where the C++ sampler is not built (it gives the same distribution without the sort)."""
+    definition, used where the C++ sampler is not built or runs not (a GPU). The kept tokens are drawn from in
+    vocabulary order, as the C++ sampler draws: the same uniform picks the same token in both."""
     probs = torch.where(probs >= min_p[:, None] * probs.amax(-1, keepdim=True), probs, 0.0)
     p, ids = probs.sort(-1, descending=True)
-    ranks = torch.arange(p.shape[1])[None, :]
+    ranks = torch.arange(p.shape[1], device=p.device)[None, :]
     p = p.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), 0.0)
     before = p.cumsum(-1) - p  # mass of the more likely tokens
     p = torch.where(before < top_p[:, None] * p.sum(-1, keepdim=True), p, 0.0)
-    return ids.gather(1, _draw(p, uniforms)[:, None]).squeeze(1)
+    return _draw(torch.zeros_like(probs).scatter_(1, ids, p), uniforms)
 
 
 class Sampler:
@@ -188,10 +192,12 @@ class Sampler:
         top_k = torch.tensor([r.params.top_k if r.params.top_k < vocab else 0 for r in rows], dtype=torch.int64)
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
-        uniforms = self._uniforms(rows)
+        uniforms = self._uniforms(rows)  # drawn on the host whatever the device: the same draws everywhere
         kernel = kernel_op("sample_from_logits") if self.use_kernel else None
         if kernel is not None:
             return kernel(logits.contiguous(), temperature, top_k, top_p, min_p, uniforms)
+        temperature, top_k, top_p, min_p, uniforms = (t.to(logits.device) for t in
+                                                      (temperature, top_k, top_p, min_p, uniforms))
         return sample_by_sorting((logits / temperature[:, None]).softmax(-1), top_k, top_p, min_p, uniforms)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
@@ -211,8 +217,8 @@ class Sampler:
         elif not any(greedy):
             sampled = self._sample(logits, rows)
         else:
-            g = torch.tensor(greedy)
-            sampled = torch.empty(len(rows), dtype=torch.int64)
+            g = torch.tensor(greedy).to(logits.device)
+            sampled = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
             sampled[g] = self._argmax(logits[g])
             s = (~g).nonzero().squeeze(1)
             sampled[s] = self._sample(logits[s], [rows[i] for i in s.tolist()])

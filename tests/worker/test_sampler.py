@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels import kernel_op
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import Sampler, SamplingRow, apply_penalties
 
@@ -149,3 +150,16 @@ def test_kernel_argmax_equals_torch_including_ties(vocab):
     assert op(logits).tolist() == logits.argmax(-1).tolist()
     greedy = [row(temperature=0.0) for _ in range(len(logits))]
     assert Sampler(use_kernel=True)(logits, greedy).token_ids == Sampler(use_kernel=False)(logits, greedy).token_ids
+
+
+def test_torch_sampler_draws_the_tokens_of_the_cpp_sampler():
+    """The GPU samples with the torch path (the C++ sampler runs on the CPU only): for the same logits and seeds it
+    must draw the same tokens as the C++ sampler, with every filter on."""
+    if kernel_op("sample_from_logits") is None:
+        pytest.skip("C++ sampler not built")
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(48, 3000, generator=g) * 3
+    settings = [dict(temperature=0.7), dict(temperature=1.3, top_k=40), dict(temperature=1.0, top_p=0.8),
+                dict(temperature=0.9, min_p=0.05, top_k=100, top_p=0.95)]
+    rows = [row(seed=1000 + i, **settings[i % len(settings)]) for i in range(len(logits))]
+    assert Sampler(use_kernel=True)(logits, rows).token_ids == Sampler(use_kernel=False)(logits, rows).token_ids
