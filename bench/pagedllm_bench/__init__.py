@@ -35,6 +35,7 @@ BENCHES: dict[str, str] = {
     "perplexity": "perplexity as stored, dequantized and with llama.cpp",
     "lora": "a batch mixing LoRA adapters and the base model against the base model alone",
     "embed": "embeddings throughput on a BERT-family GGUF against llama-server --embeddings",
+    "gpu": "the engine on a CUDA GPU against transformers, in one JSON (issue 58's check)",
 }
 # worker entry points the benches start as subprocesses (not listed in the help)
 WORKERS = ("peers", "offline-stream")

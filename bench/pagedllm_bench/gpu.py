@@ -1,0 +1,258 @@
+"""The engine on a GPU (issue 58's check), in one command that writes one JSON: `pagedllm bench gpu [--quick]`.
+
+Made to run inside 8 minutes on the lent H200 (torch, Triton and transformers are installed there; nothing can be
+downloaded, so the models are random-weight checkpoints of real shapes written there by transformers):
+1. the GPU test subset (`PAGEDLLM_TEST_DEVICE=cuda`: the Triton and FlexAttention kernels against the reference on
+   the GPU, the device path against the CPU path);
+2. on the Qwen2.5-1.5B shape in bf16: greedy output against transformers on the GPU (8 chats; where they differ,
+   transformers' own top-2 log-probability gap at the first difference: a near tie or not), offline throughput
+   on the standard workload (256 requests, prompts U[32,512], outputs U[16,256]) against transformers' paged
+   continuous batching (`generate_batch`) on the same GPU and requests, the KV pool's peak use and the GPU's
+   peak memory against the KV budget;
+3. on the Llama-3.2-3B shape: batch-1 decode tokens/s next to the HBM roofline (weight bytes over the copy
+   bandwidth measured in the same run).
+Each part records its error instead of stopping the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+from pagedllm_bench import common
+
+GPU_TESTS = ["tests/attention/test_triton_paged.py", "tests/attention/test_flex_paged.py",
+             "tests/engine/test_device_path.py", "tests/worker/test_sampler.py"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="2 layers per shape, 32 requests: a smoke run")
+    p.add_argument("--out", default=None, help="the JSON's path (default: the bench results folder)")
+    p.add_argument("--skip-tests", action="store_true", help="no pytest run")
+    p.add_argument("--attention-backend", default="auto", help="the engine's attention backend on the GPU")
+
+
+def _hf_checkpoint(shape_name: str, layers: int | None, path: str) -> str:
+    """A random-weight Hugging Face checkpoint of a real shape (pagedllm.testing.gguf_writer.SHAPES), bf16,
+    initialised on the GPU (fast) and saved with its config."""
+    import torch
+    import transformers
+
+    from pagedllm.testing.gguf_writer import SHAPES
+
+    s = SHAPES[shape_name]
+    llama = s.arch == "llama"
+    cfg = (transformers.LlamaConfig if llama else transformers.Qwen2Config)(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn, num_hidden_layers=layers or s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+        max_position_embeddings=4096, rms_norm_eps=s.eps, rope_theta=s.rope_theta, tie_word_embeddings=True,
+        initializer_range=0.02)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _part(results: dict, name: str, fn, *a) -> None:
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn(*a)
+    except Exception as e:  # one part's failure is recorded; the others still run
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"{name}: {json.dumps(results[name])[:600]}", flush=True)
+
+
+def _tests() -> dict:
+    env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cuda")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS],
+                          capture_output=True, text=True, env=env, timeout=300)
+    return {"returncode": proc.returncode, "tail": proc.stdout[-2500:] + proc.stderr[-1000:]}
+
+
+def _hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+
+
+def _greedy(path: str, llm, n_chats: int = 8, new_tokens: int = 32) -> dict:
+    """pagedllm's greedy tokens against transformers' on the same GPU; at a difference, transformers' top-2 gap."""
+    import torch
+
+    from pagedllm import SamplingParams
+
+    hf = _hf_model(path)
+    rng = np.random.default_rng(1)
+    vocab = hf.config.vocab_size
+    prompts = [rng.integers(100, vocab - 100, size=int(rng.integers(24, 160))).tolist() for _ in range(n_chats)]
+    ours = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)]
+    chats = []
+    for prompt, mine in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
+                              min_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(prompt):].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+        entry = {"equal": first is None}
+        if first is not None:
+            top = out.scores[first][0].float().log_softmax(-1).topk(2).values.tolist()
+            entry |= {"first_difference": first, "hf_top2_logprob_gap": top[0] - top[1]}
+        chats.append(entry)
+    del hf
+    torch.cuda.empty_cache()
+    equal = sum(c["equal"] for c in chats)
+    near = sum(1 for c in chats if not c["equal"] and c["hf_top2_logprob_gap"] < 1e-2)
+    return {"chats": chats, "equal": equal, "differ_after_near_tie": near,
+            "target_met": equal >= 7 and equal + near == len(chats)}
+
+
+def _workload(num: int, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(0)
+    plens = rng.integers(32, 513, size=num)
+    olens = rng.integers(16, 257, size=num)
+    return [rng.integers(100, vocab - 100, size=int(n)).tolist() for n in plens], [int(x) for x in olens]
+
+
+def _offline(path: str, llm, num: int) -> dict:
+    import torch
+
+    from pagedllm import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    prompts, outs = _workload(num, vocab)
+    total_out = sum(outs)
+    common.warm_up(llm)
+    common.reset_peak(llm)
+    torch.cuda.reset_peak_memory_stats()
+    reqs = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+            for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
+    res = common.drive(llm.engine, reqs)
+    ours = total_out / res.seconds
+    num_blocks = llm.engine.kv.stats()["num_blocks"]
+    peak_blocks = max(s.blocks_used for s in res.samples) if res.samples else 0
+    kv_bytes = llm.engine.runner.kv_caches.pool.numel() * llm.engine.runner.kv_caches.pool.element_size()
+    row = {"requests": num, "output_tokens": total_out, "pagedllm_tok_s": round(ours, 1),
+           "pagedllm_seconds": round(res.seconds, 2), "kv_blocks": num_blocks, "kv_peak_blocks": peak_blocks,
+           "kv_peak_share": round(peak_blocks / num_blocks, 3), "kv_pool_gib": round(kv_bytes / 2**30, 2),
+           "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+           "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+    llm.engine.close()
+    torch.cuda.empty_cache()
+    row |= _transformers_offline(path, prompts, outs)
+    if "transformers_tok_s" in row:
+        row["ratio"] = round(ours / row["transformers_tok_s"], 2)
+        row["target_met"] = row["ratio"] >= 3.0 and row["kv_peak_share"] >= 0.9
+    return row
+
+
+def _transformers_offline(path: str, prompts: list[list[int]], outs: list[int]) -> dict:
+    """transformers' continuous batching over its paged cache (generate_batch), each request to its own length
+    where the API takes one (else the longest, counted as the tokens each asked for)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                  attn_implementation="paged|sdpa").cuda().eval()
+    except Exception:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                  attn_implementation="sdpa_paged").cuda().eval()
+    cfg = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate_batch(inputs=prompts[:4], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
+                                                                                   eos_token_id=-1, pad_token_id=0))
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        # one call over every request: its max_new_tokens is the longest output (transformers takes one value);
+        # only the tokens each request asked for are counted, so the ratio does not flatter pagedllm
+        hf.generate_batch(inputs=prompts, generation_config=cfg)
+    seconds = time.perf_counter() - t0
+    del hf
+    torch.cuda.empty_cache()
+    return {"transformers_tok_s": round(sum(outs) / seconds, 1), "transformers_seconds": round(seconds, 2),
+            "transformers_note": "one generate_batch call, max_new_tokens = the longest output; tokens/s counts "
+                                 "the tokens each request asked for", "transformers_warmup_s": round(warm, 1)}
+
+
+def _copy_bandwidth() -> float:
+    import torch
+
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t0)  # read + write
+
+
+def _decode(llm) -> dict:
+    import torch
+
+    from pagedllm import SamplingParams
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    bandwidth = _copy_bandwidth()
+    common.warm_up(llm)
+    prompt = list(range(100, 228))
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    prefill_s = time.perf_counter() - t0
+    n = 256
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - t0 - prefill_s
+    tok_s = (len(out[0].outputs[0].token_ids) - 8) / seconds
+    roofline = bandwidth / weight_bytes
+    torch.cuda.synchronize()
+    return {"decode_tok_s": round(tok_s, 1), "weight_gib": round(weight_bytes / 2**30, 2),
+            "copy_bandwidth_gb_s": round(bandwidth / 1e9), "roofline_tok_s": round(roofline, 1),
+            "share_of_roofline": round(tok_s / roofline, 3), "target_met": tok_s / roofline >= 0.5}
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from pagedllm import LLM
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench gpu needs a CUDA GPU (torch sees none here)")
+    results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                     "environment": common.environment()}
+    layers = 2 if args.quick else None
+    num = 32 if args.quick else 256
+    if not args.skip_tests:
+        _part(results, "tests", _tests)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _hf_checkpoint("qwen2.5-1.5b", layers, os.path.join(tmp, "qwen"))
+        llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=args.attention_backend,
+                  max_num_seqs=256, max_num_batched_tokens=8192)
+        results["backend"] = llm.engine.runner.backend.name
+        _part(results, "greedy_vs_transformers", _greedy, path, llm)
+        _part(results, "offline_throughput", _offline, path, llm, num)
+        del llm
+        torch.cuda.empty_cache()
+        path = _hf_checkpoint("llama-3.2-3b", layers, os.path.join(tmp, "llama"))
+        llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=args.attention_backend)
+        _part(results, "batch1_decode", _decode, llm)
+    out = args.out or common.out_path("gpu", "json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"wrote {out}")
+    return results

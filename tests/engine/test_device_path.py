@@ -1,0 +1,86 @@
+"""The device path (what `device="cuda"` runs: torch ops only, inputs uploaded once per step, the pool on the device,
+the torch sampler) run on the CPU through the same code, against the C++ path's tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny_models import assert_no_leaks, make_llm, random_prompts, tokens
+
+from pagedllm import SamplingParams
+from pagedllm.attention import available_backends, register_backend
+from pagedllm.attention.reference import ReferenceBackend
+from pagedllm.engine.args import EngineArgs
+from pagedllm.engine.placement import place, resolve_device
+from pagedllm.structured.params import StructuredOutputsParams
+
+
+class DeviceReference(ReferenceBackend):
+    """The reference attention as a device backend: the runner's device path isolated from the device kernels."""
+
+    name = "device-reference"
+    cpu_kernels = False
+
+
+register_backend("device-reference", DeviceReference, {"cpu": -1, "cuda": -1})
+# the device kernels where they are installed (run on the CPU: Triton interpreted, FlexAttention eager)
+BACKENDS = ["device-reference"] + [b for b in ("triton", "flex") if b in available_backends("cpu")]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")  # `pagedllm bench gpu` runs these on the GPU too
+
+
+@pytest.fixture(scope="module")
+def cpu_llm(tiny_dir):
+    return make_llm(tiny_dir, enable_chunked_prefill=True, max_num_batched_tokens=48)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_path_generates_the_cpu_paths_tokens(tiny_dir, cpu_llm, backend):
+    """Greedy over a mixed batch with chunked prefill and prefix-cache hits, seeded parallel samples (forks copy
+    blocks on write) with logprobs, and a JSON-schema request (the grammar's bitmask applied on the device)."""
+    llm = make_llm(tiny_dir, attention_backend=backend, enable_chunked_prefill=True, max_num_batched_tokens=48,
+                   device=DEVICE)
+    runner = llm.engine.runner
+    assert runner.upload is not None and not runner.kernel_mode.cpu_kernels
+    prompts = random_prompts(5, seed=7, lo=20, hi=70)
+    prompts.append(prompts[0][:40] + [5, 6, 7])  # shares whole blocks with the first: a prefix hit
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == \
+        tokens(cpu_llm.generate(prompts, GREEDY, use_tqdm=False))
+    sampled = SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=5, max_tokens=8, logprobs=2)
+    dev, cpu = (x.generate(prompts[:2], sampled, use_tqdm=False) for x in (llm, cpu_llm))
+    for d, c in zip(dev, cpu, strict=True):
+        assert [o.token_ids for o in d.outputs] == [o.token_ids for o in c.outputs]
+        for od, oc in zip(d.outputs, c.outputs, strict=True):
+            for ld, lc in zip(od.logprobs, oc.logprobs, strict=True):
+                assert ld.keys() == lc.keys()
+                assert all(abs(ld[t].logprob - lc[t].logprob) < 1e-4 for t in ld)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = SamplingParams(temperature=0.0, max_tokens=20,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    assert llm.generate(["x"], constrained, use_tqdm=False)[0].outputs[0].text == \
+        cpu_llm.generate(["x"], constrained, use_tqdm=False)[0].outputs[0].text
+    assert_no_leaks(llm)
+
+
+def test_profile_step_runs_the_largest_step_on_the_device_path(tiny_dir):
+    """What a GPU's KV budget measures: one prompt of max_num_batched_tokens over a pool just large enough."""
+    llm = make_llm(tiny_dir, attention_backend="device-reference", num_kv_blocks=64, device=DEVICE)
+    llm.engine.runner.profile_step(64 * 8, 16)  # every block of the pool
+
+
+def test_placement_refuses_what_cannot_run_there():
+    with pytest.raises(ValueError, match="device must be"):
+        EngineArgs(device="tpu")
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineArgs(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="C\\+\\+ CPU kernels"):
+        place(EngineArgs(attention_backend="device-reference", quantization="gguf"))
+    assert place(EngineArgs(attention_backend="device-reference")).quantization == "none"
+    assert not place(EngineArgs()).torch_path
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            resolve_device("cuda")
+        assert resolve_device("auto").type == "cpu"
