@@ -84,3 +84,23 @@ def test_placement_refuses_what_cannot_run_there():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             resolve_device("cuda")
         assert resolve_device("auto").type == "cpu"
+
+
+def test_server_with_speculation_on_the_device_path(tiny_dir, cpu_llm):
+    """The OpenAI server over an engine on the device path, n-gram speculative decoding on: the real client's
+    streamed greedy completion is the CPU path's text."""
+    openai = pytest.importorskip("openai")
+    from live_server import API_KEY, serving
+
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.entrypoints.openai.server import build_app
+
+    llm = make_llm(tiny_dir, attention_backend="device-reference", device=DEVICE,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = AsyncEngine(llm.engine)
+    prompt = "the cat sat on the mat and the cat sat on the"
+    want = cpu_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    with serving(engine, build_app(engine, api_key=API_KEY, served_model_name="tiny")) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY)
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0.0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == want.text
