@@ -14,6 +14,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The tests' default model is the 135M, where speed matters more than answers (this process and the servers and
 # CLIs it starts); tests of the real default name it (test_default_model.py).
 os.environ.setdefault("PAGEDLLM_DEFAULT_MODEL", "smollm2-135m-instruct")
+# Without CUDA the Triton attention kernels run in Triton's interpreter, chosen when a function is decorated, also
+# triton.language's own when it is first imported: set before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,12 @@ import zlib
 
 import pytest
 import torch
+from attention_harness import make_batch, poison
+from attention_harness import oracle as shared_oracle
 
 from pagedllm import kernels
-from pagedllm.attention import build_attention_metadata, get_backend
-from pagedllm.attention.kv_quant import SCALE_BYTES, is_int8, random_pool, round_queries
+from pagedllm.attention import get_backend
+from pagedllm.attention.kv_quant import is_int8
 from pagedllm.attention.reference import ReferenceBackend
 from pagedllm.kernels import KernelMode
 
@@ -21,49 +23,11 @@ except Exception as e:  # pragma: no cover - a machine without a compiler
     pytest.skip(f"cpu kernel does not build here: {e}", allow_module_level=True)
 
 
-def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int], block_size: int, hq: int,
-               hkv: int, d: int, dtype: torch.dtype, kv_dtype: torch.dtype, spare_blocks: int = 7):
-    """Random pool with scattered block tables: every request's blocks are a random subset of the pool."""
-    need = [-(-(c + n) // block_size) for c, n in zip(num_computed, num_new, strict=True)]
-    num_blocks = sum(need) + spare_blocks
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, at = [], 0
-    for nb in need:
-        tables.append(perm[at:at + nb])
-        at += nb
-    meta = build_attention_metadata(tables, num_computed, num_new, block_size)
-    k_cache = random_pool((num_blocks, block_size, hkv, d), kv_dtype, gen)
-    v_cache = random_pool((num_blocks, block_size, hkv, d), kv_dtype, gen)
-    t = sum(num_new)
-    q = torch.randn(t, hq, d, generator=gen).to(dtype)
-    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    return q, k, v, k_cache, v_cache, meta
-
-
 def oracle(q, k, v, k_cache, v_cache, meta, scale, window=None, portable=False, sinks=None):
-    """The reference backend in float64 on the values the pool holds (new K/V rounded to the cache dtype, or
-    quantized into int8 rows and dequantized: exact in any float dtype). Writes the new K/V into the caches.
-    Over int8 K/V the kernel's VNNI path also rounds q to int8 blocks: the oracle then takes the same rounded q."""
-    if is_int8(k_cache):
-        if kernels.rounds_int8_queries(q.shape[-1], portable):
-            q = round_queries(q, scale)
-        return ReferenceBackend().forward(q.double(), k, v, k_cache, v_cache, meta, scale, window, sinks)
-    kv = k_cache.dtype
-    k64, v64 = k_cache.double(), v_cache.double()
-    out = ReferenceBackend().forward(q.double(), k.to(kv).double(), v.to(kv).double(), k64, v64, meta, scale, window,
-                                     sinks)
-    k_cache.copy_(k64), v_cache.copy_(v64)
-    return out
-
-
-def poison(cache: torch.Tensor, block: int) -> None:
-    """Garbage (NaN, or int8 rows with a NaN scale) in a block that must never be read."""
-    if is_int8(cache):
-        cache[block] = 127
-        cache[block, ..., -SCALE_BYTES:] = torch.tensor([0x00, 0x7E], dtype=torch.uint8).view(torch.int8)  # f16 NaN
-    else:
-        cache[block] = float("nan")
+    """The float64 oracle; over int8 K/V the kernel's VNNI path also rounds q to int8 blocks: the oracle then takes
+    the same rounded q."""
+    rounded = is_int8(k_cache) and kernels.rounds_int8_queries(q.shape[-1], portable)
+    return shared_oracle(q, k, v, k_cache, v_cache, meta, scale, window, sinks, rounded_queries=rounded)
 
 
 def run_both(backend, q, k, v, k_cache, v_cache, meta, scale, window=None):
