@@ -3,16 +3,24 @@ one in kernels/, the Triton one in attention/)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
 from pagedllm.attention import build_attention_metadata
 from pagedllm.attention.kv_quant import SCALE_BYTES, is_int8, random_pool, round_queries
 from pagedllm.attention.reference import ReferenceBackend
 
+# the device kernels' tests run on the GPU too, when `pagedllm bench gpu` sets this
+DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+
 
 def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int], block_size: int, hq: int,
-               hkv: int, d: int, dtype: torch.dtype, kv_dtype: torch.dtype, spare_blocks: int = 7):
-    """Random pool with scattered block tables: every request's blocks are a random subset of the pool."""
+               hkv: int, d: int, dtype: torch.dtype, kv_dtype: torch.dtype, spare_blocks: int = 7,
+               device: str = "cpu"):
+    """Random pool with scattered block tables: every request's blocks are a random subset of the pool (drawn on
+    the CPU, then moved to `device` with the metadata's tensors)."""
     need = [-(-(c + n) // block_size) for c, n in zip(num_computed, num_new, strict=True)]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -27,6 +35,10 @@ def make_batch(gen: torch.Generator, num_computed: list[int], num_new: list[int]
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
     k = torch.randn(t, hkv, d, generator=gen).to(dtype)
     v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    if device != "cpu":
+        q, k, v, k_cache, v_cache = (x.to(device) for x in (q, k, v, k_cache, v_cache))
+        meta = dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in
+                                            ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
     return q, k, v, k_cache, v_cache, meta
 
 

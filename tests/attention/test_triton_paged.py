@@ -4,6 +4,7 @@ combining several features rather than a full cross product."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from attention_harness import make_batch, oracle, poison
+from attention_harness import DEVICE, make_batch, oracle, poison
 
 from pagedllm.attention import available_backends, build_attention_metadata, get_backend
 from pagedllm.attention.reference import copy_blocks
@@ -59,11 +60,12 @@ def test_matches_reference(case):
     first key a request's queries see are poisoned (NaN), as is what their table entries point at: never read."""
     dtype, kv_dtype, bs, hq, hkv, d, window, with_sinks, computed, new = case
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, bs, hq, hkv, d, dtype, kv_dtype)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, bs, hq, hkv, d, dtype, kv_dtype, device=DEVICE)
     sinks = None
     if with_sinks:
         sinks = torch.randn(hq, generator=gen) * 2
         sinks[0], sinks[-1] = 12.0, -30.0  # the sink takes most of the weight / nearly none
+        sinks = sinks.to(DEVICE)
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     ref = oracle(q, k, v, kc_ref, vc_ref, meta, d ** -0.5, window, sinks)
     if window is not None:
@@ -98,7 +100,7 @@ def test_batch_invariance():
     gen = torch.Generator().manual_seed(5)
     computed, new = [150, 20, 10, 70, 0], [1, 40, 1, 1, 17]
     bs, hq, hkv, d = 8, 8, 2, 64
-    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, bs, hq, hkv, d, F32, F32)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, computed, new, bs, hq, hkv, d, F32, F32, device=DEVICE)
     b = backend()
     batch = b.forward(q, k, v, k_cache, v_cache, meta, 0.125)  # writes the new K/V: the runs below rewrite them
     tables = [meta.block_tables[r, :-(-(computed[r] + new[r]) // bs)].tolist() for r in range(len(new))]
@@ -108,6 +110,8 @@ def test_batch_invariance():
         sub = build_attention_metadata([tables[r] for r in reqs], [computed[r] for r in reqs],
                                        [new[r] for r in reqs], bs)
         rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in reqs])
+        sub = dataclasses.replace(sub, **{f: getattr(sub, f).to(DEVICE) for f in
+                                          ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
         return b.forward(q[rows], k[rows], v[rows], k_cache, v_cache, sub, 0.125), rows
 
     decodes = [0, 2, 3]
@@ -124,8 +128,8 @@ def test_strided_q_and_large_scores():
     """q as a view of a fused QKV projection (token stride > Hq * D) and scores large enough to overflow exp."""
     gen = torch.Generator().manual_seed(7)
     hq, hkv, d = 4, 2, 64
-    _, k, v, k_cache, v_cache, meta = make_batch(gen, [10, 0, 40], [1, 24, 9], 16, hq, hkv, d, F32, F32)
-    qkv = torch.randn(k.shape[0], (hq + 2 * hkv) * d, generator=gen) * 30
+    _, k, v, k_cache, v_cache, meta = make_batch(gen, [10, 0, 40], [1, 24, 9], 16, hq, hkv, d, F32, F32, device=DEVICE)
+    qkv = (torch.randn(k.shape[0], (hq + 2 * hkv) * d, generator=gen) * 30).to(DEVICE)
     q = qkv[:, :hq * d].view(-1, hq, d)
     assert not q.is_contiguous()
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
@@ -152,10 +156,10 @@ def test_registry_and_empty_batch():
     b = get_backend("triton")
     assert b.name == "triton" and b.copy_blocks is copy_blocks
     gen = torch.Generator().manual_seed(3)
-    q, k, v, k_cache, v_cache, meta = make_batch(gen, [5], [0], 8, 2, 1, 64, F32, F32)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, [5], [0], 8, 2, 1, 64, F32, F32, device=DEVICE)
     assert b.forward(q, k, v, k_cache, v_cache, meta, 0.1).shape == (0, 2, 64)
     # decodes and requests of no queries: the decode launch alone, through its request index
-    q, k, v, k_cache, v_cache, meta = make_batch(gen, [5, 3, 9], [0, 1, 1], 8, 2, 1, 64, F32, F32)
+    q, k, v, k_cache, v_cache, meta = make_batch(gen, [5, 3, 9], [0, 1, 1], 8, 2, 1, 64, F32, F32, device=DEVICE)
     ref = oracle(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.1)
     torch.testing.assert_close(b.forward(q, k, v, k_cache, v_cache, meta, 0.1).double(), ref, **tol(F32))
 
