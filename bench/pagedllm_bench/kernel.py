@@ -4,7 +4,12 @@
 tokens, 9 query / 3 KV heads, head_dim 64, block size 16, blocks scattered over the pool at random. All methods see
 the same K/V values; methods are interleaved round by round and medians reported (the machine is shared/noisy).
 The paged kernel is also timed over the same K/V stored in the other KV dtypes (--kv-dtypes: fp32, bf16, int8 rows
-with their scales), against contiguous SDPA over the values that storage holds.
+with their scales), against contiguous SDPA over the values that storage holds. --flex also times the "flex"
+backend's decode, compiled.
+
+`--device cuda`: the GPU backends instead (kernel_device.py): triton, flex and SDPA over contiguous KV, for decode
+at a few batch sizes and context lengths and a prefill chunk against cached blocks (defaults there: bf16, 32/8
+heads, head_dim 128).
 """
 
 from __future__ import annotations
@@ -22,22 +27,29 @@ import torch.nn.functional as F
 from pagedllm.attention.kv_quant import as_float, is_int8, quantize, round_queries
 from pagedllm.attention.metadata import build_attention_metadata
 
+# per device: (dtype, query heads, KV heads, head_dim) unless given
+DEVICE_DEFAULTS = {"cpu": ("float32", 9, 3, 64), "cuda": ("bfloat16", 32, 8, 128)}
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: the C++ kernel's comparisons; cuda: triton vs flex vs contiguous SDPA")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--context-len", type=int, default=1024)
-    p.add_argument("--num-heads", type=int, default=9)
-    p.add_argument("--num-kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=None, help="default 9 (cpu), 32 (cuda)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="default 3 (cpu), 8 (cuda)")
+    p.add_argument("--head-dim", type=int, default=None, help="default 64 (cpu), 128 (cuda)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default float32 (cpu), "
+                   "bfloat16 (cuda)")
     p.add_argument("--kv-dtypes", default="float32,bfloat16,int8",
                    help="KV storages the paged kernel is also timed with (q stays --dtype); '' for none")
     p.add_argument("--repeats", type=int, default=30, help="decode rounds (prefill uses a fifth, at least 3)")
     p.add_argument("--prefill-requests", type=int, default=None,
                    help="requests in the prefill comparison (default: --num-requests)")
     p.add_argument("--no-prefill", action="store_true", help="decode only (long contexts: prefill is quadratic)")
-    p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention (slow first compile)")
+    p.add_argument("--flex", action="store_true", help="also time the flex backend's decode, compiled (slow first "
+                   "compile)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="few repeats, 8 prefill requests")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the bandwidth measurement")
@@ -91,16 +103,31 @@ def gather_sdpa_decode(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def run(args: argparse.Namespace) -> None:
     """Print the tables (and write --json); `pagedllm bench kernel` calls this."""
-    results = measure(args)
-    _print(results)
+    resolve_device_defaults(args)
+    if args.device == "cuda":
+        from pagedllm_bench import kernel_device
+
+        results = kernel_device.run(args)
+    else:
+        results = measure(args)
+        _print(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
 
 
+def resolve_device_defaults(args: argparse.Namespace) -> None:
+    """Fill the options left unset with the device's defaults."""
+    dtype, hq, hkv, d = DEVICE_DEFAULTS[getattr(args, "device", "cpu")]
+    for name, value in (("dtype", dtype), ("num_heads", hq), ("num_kv_heads", hkv), ("head_dim", d)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
 def measure(args: argparse.Namespace) -> dict:
     from pagedllm import kernels
 
+    resolve_device_defaults(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -135,9 +162,12 @@ def measure(args: argparse.Namespace) -> dict:
                                                                   enable_gqa=True),
     }
     if args.flex:
-        from pagedllm_bench import flex
-        flex_decode = flex.FlexPagedDecode(k_cache, v_cache, tables, ctx, hq, scale)
-        fns["flex (compiled)"] = lambda: flex_decode(q)
+        from pagedllm.attention.flex_paged import FlexAttentionBackend
+
+        flex = FlexAttentionBackend(compile=True)
+        # the new token's K/V: the values already in its slot (the write changes nothing)
+        k_new, v_new = (c.view(-1, hkv, d)[meta.slot_mapping].clone() for c in (k_cache, v_cache))
+        fns["flex (compiled)"] = lambda: flex.forward(q, k_new, v_new, k_cache, v_cache, meta, scale)
     ref = fns["contiguous SDPA"]()[:, :, 0].float()
     for name, fn in fns.items():  # every method computes the same thing (over the values its storage holds)
         got = fn()

@@ -231,26 +231,6 @@ def test_build_variant_flags():
         kernels.build_variant(best, forced="native")
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_paged_block_mask_eager():
-    """The FlexAttention candidate (kept for the benchmark): its paged block mask gives the reference result.
-    Eager flex on a tiny pool (the compiled path is exercised by `pagedllm bench kernel --flex`)."""
-    from pagedllm_bench.flex import paged_block_mask
-    from torch.nn.attention.flex_attention import flex_attention
-
-    gen = torch.Generator().manual_seed(11)
-    lens = [13, 40, 8, 25]
-    q, k, v, k_cache, v_cache, meta = make_batch(gen, [n - 1 for n in lens], [1] * 4, 8, 6, 2, 32,
-                                                 torch.float32, torch.float32)
-    ref = ReferenceBackend().forward(q, k, v, k_cache, v_cache, meta, 0.2)  # also writes the new K/V
-    nb, bs, hkv, d = k_cache.shape
-    mask = paged_block_mask(meta.block_tables, meta.seq_lens, nb, bs)
-    kf = k_cache.view(1, nb * bs, hkv, d).transpose(1, 2)
-    vf = v_cache.view(1, nb * bs, hkv, d).transpose(1, 2)
-    out = flex_attention(q[:, :, None], kf, vf, block_mask=mask, scale=0.2, enable_gqa=True)[:, :, 0]
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-
-
 def test_auto_falls_back_to_reference_when_build_fails(monkeypatch, caplog):
     def broken():
         raise RuntimeError("simulated compiler failure")
@@ -290,6 +270,26 @@ def test_kernel_benchmark_smoke(capsys):
                  "--bandwidth-mib", "8"]) == 0
     out = capsys.readouterr().out
     assert "paged kernel" in out and "SDPA causal" in out
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_kernel_device_comparison_smoke():
+    """The `--device cuda` comparison's code path, run on the CPU on tiny cases (flex eager, no triton here or
+    triton interpreted): every method checked against SDPA, a fastest method and a reason per case."""
+    import argparse
+
+    from pagedllm_bench import kernel, kernel_device
+
+    p = argparse.ArgumentParser()
+    kernel.add_args(p)
+    args = p.parse_args(["--repeats", "1", "--block-size", "8"])
+    kernel.resolve_device_defaults(args)
+    res = kernel_device.compare(args, decode_cases=[(3, 40)], prefill_cases=[(2, 16, 8)], flex_compile=False)
+    assert [c["kind"] for c in res["cases"]] == ["decode", "prefill chunk"]
+    for case in res["cases"]:
+        assert {"flex", "contiguous SDPA"} <= set(case["ms"])
+        best, why = kernel_device.verdict(case)
+        assert best in case["ms"] and why
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
