@@ -12,7 +12,6 @@ from attention_harness import oracle as shared_oracle
 from pagedllm import kernels
 from pagedllm.attention import get_backend
 from pagedllm.attention.kv_quant import is_int8
-from pagedllm.attention.reference import ReferenceBackend
 from pagedllm.kernels import KernelMode
 
 cpu = pytest.importorskip("pagedllm.attention.cpu")
