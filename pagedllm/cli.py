@@ -156,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagedllm.engine.args import EngineConfigError
     from pagedllm.model.errors import InvalidModelError
 
     try:
         return args.func(args)
     except InvalidModelError as e:  # a damaged or hostile model file: one line naming file and field
         print(f"pagedllm: error: cannot load the model: {e}", file=sys.stderr)
+        return 2
+    except EngineConfigError as e:  # settings that cannot run here
+        print(f"pagedllm: error: {e}", file=sys.stderr)
         return 2
 
 

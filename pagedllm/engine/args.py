@@ -13,6 +13,11 @@ from pagedllm.quantization import QUANTIZATION
 
 RUNNERS = ("generate", "pooling")
 
+
+class EngineConfigError(ValueError):
+    """Settings that cannot run here (a device torch does not see, a combination refused on a device): the CLI
+    prints it as one line."""
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
@@ -240,4 +245,7 @@ class EngineArgs:
 
             torch.set_num_threads(ns.threads)
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)})
+        try:
+            return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)})
+        except ValueError as e:  # a bad flag value: one line, as argparse reports its own
+            raise EngineConfigError(str(e)) from None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention import AttentionBackend, get_backend
-from pagedllm.engine.args import EngineArgs
+from pagedllm.engine.args import EngineArgs, EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +29,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {name!r}")
+        raise EngineConfigError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: torch sees no CUDA GPU here (torch {torch.__version__}); use "
-                         f"device='cpu'")
+        raise EngineConfigError(f"device {name!r}: torch sees no CUDA GPU here (torch {torch.__version__}); "
+                                f"use device='cpu'")
     return device
 
 
@@ -58,19 +58,20 @@ def place(args: EngineArgs) -> Placement:
     if not placement.torch_path:
         return placement
     if args.quantization in ("gguf", "int8"):
-        raise ValueError(f"quantization={args.quantization!r} runs on the C++ CPU kernels; on {device.type} with the "
-                         f"{backend.name!r} attention backend weights are dequantized (quantization 'none' or 'auto')")
+        raise EngineConfigError(f"quantization={args.quantization!r} runs on the C++ CPU kernels; on {device.type} with "
+                                f"the {backend.name!r} attention backend weights are dequantized (quantization "
+                                f"'none' or 'auto')")
     placement.quantization = "none"
     if device.type == "cuda" and args.dtype == "auto":
         placement.dtype = "bfloat16"
     if device.type != "cpu":
         for flag, on in (("enable_lora", args.enable_lora), ("kv_disk_cache_dir", args.kv_disk_cache_dir)):
             if on:
-                raise ValueError(f"{flag} runs on the CPU only so far; not with device={args.device!r}")
+                raise EngineConfigError(f"{flag} runs on the CPU only so far; not with device={args.device!r}")
         spec = args.speculative_config or {}
         if spec.get("method") == "draft_model":
-            raise ValueError("a draft model runs on the CPU only so far; with device='cuda' use "
-                             "speculative_config {'method': 'ngram'}")
+            raise EngineConfigError("a draft model runs on the CPU only so far; with device='cuda' use "
+                                    "speculative_config {'method': 'ngram'}")
     return placement
 
 
@@ -92,8 +93,8 @@ def gpu_kv_budget(device: torch.device, utilization: float, profile_step) -> int
                 "%.1f GiB: %.1f GiB for the KV cache", total / 2**30, utilization, total * utilization / 2**30,
                 peak / 2**30, others / 2**30, budget / 2**30)
     if budget <= 0:
-        raise ValueError(f"no GPU memory is left for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
-                         f"{utilization} is less than the weights and activations ({peak / 2**30:.1f} GiB) plus "
-                         f"other processes ({others / 2**30:.1f} GiB); raise gpu_memory_utilization or use a smaller "
-                         f"model")
+        raise EngineConfigError(
+            f"no GPU memory is left for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
+            f"{utilization} is less than the weights and activations ({peak / 2**30:.1f} GiB) plus other processes "
+            f"({others / 2**30:.1f} GiB); raise gpu_memory_utilization or use a smaller model")
     return budget
