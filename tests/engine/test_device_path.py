@@ -104,3 +104,12 @@ def test_server_with_speculation_on_the_device_path(tiny_dir, cpu_llm):
         client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY)
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0.0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == want.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cli_names_a_missing_gpu_in_one_line(capsys):
+    from pagedllm.cli import main
+
+    assert main(["generate", "--device", "cuda", "--model", "smollm2-135m-instruct", "Hi"]) == 2
+    assert capsys.readouterr().err.strip() == ("pagedllm: error: device 'cuda': torch sees no CUDA GPU here "
+                                               f"(torch {torch.__version__}); use device='cpu'")
