@@ -278,6 +278,8 @@ class TritonAttentionBackend:
 
     name = "triton"
     copy_blocks = staticmethod(copy_blocks)
+    # a decode step can be captured in a CUDA graph (worker/decode_graphs.py): its launch depends only on shapes
+    cuda_graphs = True
     split_tokens = 256  # a decode split's fewest keys: below it the merge costs more than the parallelism gains
     max_splits = 64  # bounds the partials' memory and the merge's length on very wide block tables
 

@@ -103,6 +103,8 @@ class EngineArgs:
     # on a GPU, the share of its memory the engine may take; the KV pool gets what the weights and a profiled
     # step leave of it (as vLLM's; kv_cache_memory sizes the pool on the CPU)
     gpu_memory_utilization: float = 0.9
+    # on a GPU, decode steps run eagerly instead of replaying CUDA graphs (worker/decode_graphs.py), as vLLM's
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -230,6 +232,8 @@ class EngineArgs:
                             "and the KV cache on the GPU) or auto (a GPU where torch sees one)")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="share of the GPU's memory the engine may take (weights, activations, the KV cache)")
+        g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                       help="on a GPU, run decode steps eagerly (no CUDA graphs)")
         if threads:
             g.add_argument("--threads", type=int, default=None,
                            help="CPU threads for the model (torch.set_num_threads; default: torch's choice)")

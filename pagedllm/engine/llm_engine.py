@@ -95,6 +95,8 @@ class LLMEngine:
                                   device=placement.device,
                                   batch_invariant=args.batch_invariant, layout=self.kv_groups, seed=args.seed,
                                   pooling=self.pooling_config, lora=lora)
+        if placement.device.type == "cuda" and not args.enforce_eager:
+            self.runner.enable_decode_graphs(args.max_num_seqs, self.max_model_len, capture=True)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_steps = 0  # steps that ran the model
         self._slot_samples = [0, 0]  # used and allocated KV slots, summed over steps (mean utilisation)

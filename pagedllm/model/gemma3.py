@@ -87,7 +87,9 @@ class Gemma3ForCausalLM(CausalLM):
         """input_ids [T], positions [T] -> final-normed hidden states [T, H] (meta: one, or one per layer)."""
         h = self.embed_tokens(input_ids) * self.embed_scale
         seq_lens = per_layer(meta, 1)[0].token_seq_lens() if self.rotary.switch else None  # (LongRoPE)
-        rope = {False: self.rotary(positions, self.dtype, seq_lens), True: self.rotary_local(positions, self.dtype)}
+        longest = per_layer(meta, 1)[0].max_seq_len
+        rope = {False: self.rotary(positions, self.dtype, seq_lens, longest),
+                True: self.rotary_local(positions, self.dtype, max_position=longest)}
         if fuses_layers(self, h, kv_caches):  # every layer and the final norm in C++, h updated in place
             run_fused_layers(self, h, [rope[layer.sliding] for layer in self.layers], kv_caches, meta)
             return h

@@ -144,14 +144,20 @@ class RotaryEmbedding(nn.Module):
             self._tables[long] = cos, sin
         return cos, sin
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
-                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D] (broadcast over heads), once per forward for all layers: rows gathered from
         tables of every position so far, the same values as computing them per position, in two calls where
         computing them took eight in every decode step. seq_lens [T] (LongRoPE): each token's sequence length
         after this step; a token of a sequence longer than the switch takes the long factors' row, as
-        transformers chooses them by the length of the sequence it computes."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
+        transformers chooses them by the length of the sequence it computes. max_position: a bound on the positions
+        + 1 known on the host (the metadata's max_seq_len), else read from them."""
+        # max_position (the host's longest sequence): no read back of a device tensor, nothing that stops a CUDA
+        # graph's capture
+        if max_position is not None:
+            needed = max_position
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 0
         cos, sin = self._table(False, needed)
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         if self.switch is not None and seq_lens is not None:

@@ -76,7 +76,8 @@ class LlamaForCausalLM(CausalLM):
         if self.config.embedding_multiplier != 1.0:  # (Granite)
             h = h * self.config.embedding_multiplier
         metas = per_layer(meta, len(self.layers))
-        rope = self.rotary(positions, self.dtype, metas[0].token_seq_lens() if self.rotary.switch else None)
+        rope = self.rotary(positions, self.dtype, metas[0].token_seq_lens() if self.rotary.switch else None,
+                           metas[0].max_seq_len)
         ropes = [rope] * len(self.layers)
         if self.config.nope_layers:  # (SmolLM3) a rotation by angle 0: exactly no positional encoding
             identity = torch.ones_like(rope[0]), torch.zeros_like(rope[1])

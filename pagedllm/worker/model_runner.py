@@ -19,6 +19,7 @@ from pagedllm.lora.manager import LoRAManager
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import allocate_kv_caches
 from pagedllm.model.pooling_config import PoolingConfig
+from pagedllm.worker.decode_graphs import DecodeGraphs
 from pagedllm.worker.pooler import Pooler, finish_embedding
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.sampler import Sampler, SamplingRow, TokenBitmask
@@ -97,8 +98,11 @@ class ModelRunner:
         # every forward runs in it (engines may differ)
         self.kernel_mode = KernelMode(invariant=batch_invariant, cpu_kernels=cpu_kernels)
         self.upload = None if cpu_kernels else StepUpload(self.device)
-        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks, layout=layout,
-                                            device=self.device)
+        # the device path's pool has one block past the block manager's: padding rows of a decode graph write there
+        self.scratch_block = None if cpu_kernels else num_blocks
+        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks + (not cpu_kernels),
+                                            layout=layout, device=self.device)
+        self.decode_graphs: DecodeGraphs | None = None
         self.num_groups = layout.num_groups if layout else 1
         if hasattr(model, "set_attention_backend"):
             model.set_attention_backend(self.backend)
@@ -160,6 +164,20 @@ class ModelRunner:
             ids, pos, metas = self.upload(token_ids, positions, metas)
         return ids, pos, self.kv_caches, metas[0] if len(metas) == 1 else [metas[g] for g in self.kv_caches.layer_group]
 
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> bool:
+        """Decode steps on static buffers (worker/decode_graphs.py), captured as CUDA graphs where `capture`;
+        False (eager steps) where this model or backend cannot be captured: values read back in the forward
+        (mixtures of experts, LongRoPE's switch), LoRA, the CPU kernels' path, a backend not marked capturable."""
+        rotary = getattr(self.model, "rotary", None)
+        if (self.scratch_block is None or self.lora is not None or self.model.config.num_experts
+                or getattr(rotary, "switch", None) is not None
+                or (capture and not getattr(self.backend, "cuda_graphs", False))):
+            return False
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.kv_caches.layer_group, self.num_groups,
+                                          self.block_size, max_num_seqs, max_model_len, self.scratch_block,
+                                          self.device, capture)
+        return True
+
     def _adapters(self, scheduled: list[ScheduledRequest]) -> contextlib.AbstractContextManager:
         """The LoRA adapter of every new token's row (a no-op without adapters)."""
         if self.lora is None or all(s.request.lora_id is None for s in scheduled):
@@ -182,9 +200,13 @@ class ModelRunner:
             logit_rows.extend(range(len(token_ids) - s.num_logits, len(token_ids)))
         positions = compute_positions(num_computed, num_new)
         tables = [[s.block_ids[g] for s in scheduled] for g in range(self.num_groups)]
-        metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in tables]
-        with self._adapters(scheduled):
-            hidden = self.model(*self._model_inputs(token_ids, positions, metas))
+        bucket = self.decode_graphs.bucket(num_new, tables) if self.decode_graphs is not None else None
+        if bucket is not None:
+            hidden = self.decode_graphs.run(bucket, token_ids, positions, tables, [c + 1 for c in num_computed])
+        else:
+            metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in tables]
+            with self._adapters(scheduled):
+                hidden = self.model(*self._model_inputs(token_ids, positions, metas))
         if not logit_rows:  # a step of prefill chunks only
             return torch.empty(0, self.vocab_size, device=self.device), hidden
         if self._logits.shape[0] < len(logit_rows):

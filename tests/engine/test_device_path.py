@@ -113,3 +113,29 @@ def test_cli_names_a_missing_gpu_in_one_line(capsys):
     assert main(["generate", "--device", "cuda", "--model", "smollm2-135m-instruct", "Hi"]) == 2
     assert capsys.readouterr().err.strip() == ("pagedllm: error: device 'cuda': torch sees no CUDA GPU here "
                                                f"(torch {torch.__version__}); use device='cpu'")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_graph_buffers_give_the_same_tokens(tmp_path_factory, arch):
+    """The static-buffer decode steps a CUDA graph replays (worker/decode_graphs.py), run eagerly: batches padded to
+    their bucket (padding rows in the scratch block), one block table per KV group (Gemma 3's sliding and full
+    layers), forks, against the C++ path's tokens. On a GPU the same steps are captured (bench gpu runs this file
+    there)."""
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=4)
+    prompts = random_prompts(3, seed=9, lo=10, hi=40)
+    params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12)]
+    want = [tokens(make_llm(path).generate(prompts, p, use_tqdm=False)) for p in params]
+    # on a GPU: Triton's decode, captured (the engine enables the graphs itself); here the reference, eager
+    backend = "triton" if DEVICE == "cuda" else "device-reference"
+    llm = make_llm(path, attention_backend=backend, device=DEVICE, max_num_seqs=6)
+    runner = llm.engine.runner
+    if runner.decode_graphs is None:
+        assert runner.enable_decode_graphs(6, llm.engine.max_model_len, capture=False)
+    steps = []
+    run = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda b, *a: steps.append(b) or run(b, *a)
+    got = [tokens(llm.generate(prompts, p, use_tqdm=False)) for p in params]
+    assert got == want
+    assert {4, 6} <= set(steps)  # padded buckets ran (3 requests: 4; 3 x 2 samples: 6)
