@@ -7,8 +7,9 @@ downloaded, so the models are random-weight checkpoints of real shapes written t
 2. on the Qwen2.5-1.5B shape in bf16: greedy output against transformers on the GPU (8 chats; where they differ,
    transformers' own top-2 log-probability gap at the first difference: a near tie or not), offline throughput
    on the standard workload (256 requests, prompts U[32,512], outputs U[16,256]) against transformers' paged
-   continuous batching (`generate_batch`) on the same GPU and requests, the KV pool's peak use and the GPU's
-   peak memory against the KV budget;
+   continuous batching (`generate_batch`) on the same GPU and requests, the GPU's peak memory against the KV
+   pool; then the same workload over a pool of 40% of the blocks it needs at once (the pool is the limit: its peak
+   use, preemption, every request finished, no out-of-memory);
 3. on the Llama-3.2-3B shape: batch-1 decode tokens/s next to the HBM roofline (weight bytes over the copy
    bandwidth measured in the same run).
 Each part records its error instead of stopping the others.
@@ -38,9 +39,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="the JSON's path (default: the bench results folder)")
     p.add_argument("--skip-tests", action="store_true", help="no pytest run")
     p.add_argument("--attention-backend", default="auto", help="the engine's attention backend on the GPU")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script where no GPU is (with --quick: "
+                                                    "the 0.5B and 1B shapes, 8 requests)")
 
 
-def _hf_checkpoint(shape_name: str, layers: int | None, path: str) -> str:
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_gib(device: str) -> float | None:
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+
+
+def _hf_checkpoint(shape_name: str, layers: int | None, path: str, device: str) -> str:
     """A random-weight Hugging Face checkpoint of a real shape (pagedllm.testing.gguf_writer.SHAPES), bf16,
     initialised on the GPU (fast) and saved with its config."""
     import torch
@@ -55,8 +71,12 @@ def _hf_checkpoint(shape_name: str, layers: int | None, path: str) -> str:
         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
         max_position_embeddings=4096, rms_norm_eps=s.eps, rope_theta=s.rope_theta, tie_word_embeddings=True,
         initializer_range=0.02)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # larger than the default init: decisive logits, fewer greedy near-ties (as the tests do)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.06)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -78,20 +98,20 @@ def _tests() -> dict:
     return {"returncode": proc.returncode, "tail": proc.stdout[-2500:] + proc.stderr[-1000:]}
 
 
-def _hf_model(path: str):
+def _hf_model(path: str, device: str, attn: str = "sdpa"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attn).to(device).eval()
 
 
-def _greedy(path: str, llm, n_chats: int = 8, new_tokens: int = 32) -> dict:
+def _greedy(path: str, llm, device: str, n_chats: int = 8, new_tokens: int = 32) -> dict:
     """pagedllm's greedy tokens against transformers' on the same GPU; at a difference, transformers' top-2 gap."""
     import torch
 
     from pagedllm import SamplingParams
 
-    hf = _hf_model(path)
+    hf = _hf_model(path, device)
     rng = np.random.default_rng(1)
     vocab = hf.config.vocab_size
     prompts = [rng.integers(100, vocab - 100, size=int(rng.integers(24, 160))).tolist() for _ in range(n_chats)]
@@ -100,7 +120,7 @@ def _greedy(path: str, llm, n_chats: int = 8, new_tokens: int = 32) -> dict:
     chats = []
     for prompt, mine in zip(prompts, ours, strict=True):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new_tokens, do_sample=False,
+            out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False,
                               min_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True)
         theirs = out.sequences[0, len(prompt):].tolist()
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
@@ -110,7 +130,6 @@ def _greedy(path: str, llm, n_chats: int = 8, new_tokens: int = 32) -> dict:
             entry |= {"first_difference": first, "hf_top2_logprob_gap": top[0] - top[1]}
         chats.append(entry)
     del hf
-    torch.cuda.empty_cache()
     equal = sum(c["equal"] for c in chats)
     near = sum(1 for c in chats if not c["equal"] and c["hf_top2_logprob_gap"] < 1e-2)
     return {"chats": chats, "equal": equal, "differ_after_near_tie": near,
@@ -124,50 +143,71 @@ def _workload(num: int, vocab: int) -> tuple[list[list[int]], list[int]]:
     return [rng.integers(100, vocab - 100, size=int(n)).tolist() for n in plens], [int(x) for x in olens]
 
 
-def _offline(path: str, llm, num: int) -> dict:
+def _offline(path: str, llm, num: int, device: str) -> dict:
     import torch
 
     from pagedllm import SamplingParams
 
     vocab = llm.engine.model_config.vocab_size
     prompts, outs = _workload(num, vocab)
+    if num < 64:  # a smoke run: short outputs
+        outs = [o // 8 for o in outs]
     total_out = sum(outs)
     common.warm_up(llm)
     common.reset_peak(llm)
-    torch.cuda.reset_peak_memory_stats()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     reqs = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
             for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
     res = common.drive(llm.engine, reqs)
-    ours = total_out / res.seconds
+    ours = total_out / res.elapsed
     num_blocks = llm.engine.kv.stats()["num_blocks"]
-    peak_blocks = max(s.blocks_used for s in res.samples) if res.samples else 0
+    peak_blocks = max(s.used_blocks for s in res.samples) if res.samples else 0
     kv_bytes = llm.engine.runner.kv_caches.pool.numel() * llm.engine.runner.kv_caches.pool.element_size()
     row = {"requests": num, "output_tokens": total_out, "pagedllm_tok_s": round(ours, 1),
-           "pagedllm_seconds": round(res.seconds, 2), "kv_blocks": num_blocks, "kv_peak_blocks": peak_blocks,
+           "pagedllm_seconds": round(res.elapsed, 2), "kv_blocks": num_blocks, "kv_peak_blocks": peak_blocks,
            "kv_peak_share": round(peak_blocks / num_blocks, 3), "kv_pool_gib": round(kv_bytes / 2**30, 2),
-           "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-           "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+           "peak_gpu_memory_gib": _peak_gib(device)}
     llm.engine.close()
-    torch.cuda.empty_cache()
-    row |= _transformers_offline(path, prompts, outs)
+    row |= _transformers_offline(path, prompts, outs, device)
     if "transformers_tok_s" in row:
         row["ratio"] = round(ours / row["transformers_tok_s"], 2)
         row["target_met"] = row["ratio"] >= 3.0 and row["kv_peak_share"] >= 0.9
     return row
 
 
-def _transformers_offline(path: str, prompts: list[list[int]], outs: list[int]) -> dict:
+def _kv_pressure(path: str, engine: dict, num: int) -> dict:
+    """The same workload over a pool of 40% of the blocks it would need at once: paging must fill the pool (peak
+    blocks in use near all of them), preempt and resume, and finish every request without running out of memory."""
+    from pagedllm import LLM, SamplingParams
+
+    block = 16
+    with open(os.path.join(path, "config.json")) as f:
+        prompts, outs = _workload(num, json.load(f)["vocab_size"])
+    need = sum(-(-(len(p) + o) // block) for p, o in zip(prompts, outs, strict=True))
+    blocks = max(int(0.4 * need), -(-(512 + 256) // block) + 1)
+    llm = LLM(path, max_num_seqs=256, block_size=block, num_kv_blocks=blocks, **engine)
+    reqs = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+            for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]
+    res = common.drive(llm.engine, reqs)
+    done = sum(len(o.outputs[0].token_ids) == outs[int(rid[1:])] for rid, o in res.outputs.items())
+    peak = max(s.used_blocks for s in res.samples)
+    llm.engine.close()
+    return {"kv_blocks": blocks, "blocks_the_workload_needs_at_once": need, "kv_peak_blocks": peak,
+            "kv_peak_share": round(peak / blocks, 3), "requests_finished_whole": done, "requests": num,
+            "tok_s": round(sum(outs) / res.elapsed, 1), "target_met": peak / blocks >= 0.9 and done == num}
+
+
+def _transformers_offline(path: str, prompts: list[list[int]], outs: list[int], device: str) -> dict:
     """transformers' continuous batching over its paged cache (generate_batch), each request to its own length
     where the API takes one (else the longest, counted as the tokens each asked for)."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                  attn_implementation="paged|sdpa").cuda().eval()
-    except Exception:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                  attn_implementation="sdpa_paged").cuda().eval()
+        hf = _hf_model(path, device, "paged|sdpa")
+    except Exception:  # (the name older transformers gave it)
+        hf = _hf_model(path, device, "sdpa_paged")
     cfg = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -181,48 +221,48 @@ def _transformers_offline(path: str, prompts: list[list[int]], outs: list[int]) 
         hf.generate_batch(inputs=prompts, generation_config=cfg)
     seconds = time.perf_counter() - t0
     del hf
-    torch.cuda.empty_cache()
     return {"transformers_tok_s": round(sum(outs) / seconds, 1), "transformers_seconds": round(seconds, 2),
             "transformers_note": "one generate_batch call, max_new_tokens = the longest output; tokens/s counts "
                                  "the tokens each request asked for", "transformers_warmup_s": round(warm, 1)}
 
 
-def _copy_bandwidth() -> float:
+def _copy_bandwidth(device: str) -> float:
     import torch
 
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    x = torch.empty((2 << 30) if device.startswith("cuda") else (256 << 20), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(10):
         y.copy_(x)
-    torch.cuda.synchronize()
+    _sync(device)
     return 2 * x.numel() * 10 / (time.perf_counter() - t0)  # read + write
 
 
-def _decode(llm) -> dict:
-    import torch
-
+def _decode(llm, device: str, n: int = 256) -> dict:
     from pagedllm import SamplingParams
 
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    bandwidth = _copy_bandwidth()
+    bandwidth = _copy_bandwidth(device)
     common.warm_up(llm)
     prompt = list(range(100, 228))
-    t0 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    prefill_s = time.perf_counter() - t0
-    n = 256
-    t0 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    seconds = time.perf_counter() - t0 - prefill_s
-    tok_s = (len(out[0].outputs[0].token_ids) - 8) / seconds
+
+    def timed(tokens: int) -> float:  # the same prompt, prefilled afresh each time (no prefix-cache hit)
+        llm.engine.kv.reset_prefix_cache()
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == tokens
+        return time.perf_counter() - t0
+
+    timed(n)  # (captures the bucket's graph, if any)
+    tok_s = (n - 8) / (timed(n) - timed(8))  # the decode steps alone: the difference of two runs
     roofline = bandwidth / weight_bytes
-    torch.cuda.synchronize()
-    return {"decode_tok_s": round(tok_s, 1), "weight_gib": round(weight_bytes / 2**30, 2),
-            "copy_bandwidth_gb_s": round(bandwidth / 1e9), "roofline_tok_s": round(roofline, 1),
+    graphs = llm.engine.runner.decode_graphs
+    return {"cuda_graphs": graphs is not None and graphs.capture, "decode_tok_s": round(tok_s, 1),
+            "weight_gib": round(weight_bytes / 2**30, 2), "copy_bandwidth_gb_s": round(bandwidth / 1e9), "roofline_tok_s": round(roofline, 1),
             "share_of_roofline": round(tok_s / roofline, 3), "target_met": tok_s / roofline >= 0.5}
 
 
@@ -231,26 +271,33 @@ def run(args: argparse.Namespace) -> dict:
 
     from pagedllm import LLM
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench gpu needs a CUDA GPU (torch sees none here)")
-    results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    device = args.device
+    gpu = device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("bench gpu needs a CUDA GPU (torch sees none here); --device cpu --quick smoke-tests it")
+    results: dict = {"gpu": torch.cuda.get_device_name(0) if gpu else None, "torch": torch.__version__,
                      "environment": common.environment()}
     layers = 2 if args.quick else None
     num = 32 if args.quick else 256
+    if not gpu:
+        num = 8
+    shapes = ("qwen2.5-1.5b", "llama-3.2-3b") if gpu or not args.quick else ("qwen2.5-0.5b", "llama-3.2-1b")
+    engine = dict(device=device, dtype="bfloat16", attention_backend=args.attention_backend)
+    if not gpu:
+        engine |= dict(quantization="none", kv_cache_memory="512MiB")
     if not args.skip_tests:
         _part(results, "tests", _tests)
     with tempfile.TemporaryDirectory() as tmp:
-        path = _hf_checkpoint("qwen2.5-1.5b", layers, os.path.join(tmp, "qwen"))
-        llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=args.attention_backend,
-                  max_num_seqs=256, max_num_batched_tokens=8192)
+        path = _hf_checkpoint(shapes[0], layers, os.path.join(tmp, "qwen"), device)
+        llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=8192, **engine)
         results["backend"] = llm.engine.runner.backend.name
-        _part(results, "greedy_vs_transformers", _greedy, path, llm)
-        _part(results, "offline_throughput", _offline, path, llm, num)
+        _part(results, "greedy_vs_transformers", _greedy, path, llm, device, 8 if gpu else 2)
+        _part(results, "offline_throughput", _offline, path, llm, num, device)
         del llm
-        torch.cuda.empty_cache()
-        path = _hf_checkpoint("llama-3.2-3b", layers, os.path.join(tmp, "llama"))
-        llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend=args.attention_backend)
-        _part(results, "batch1_decode", _decode, llm)
+        _part(results, "kv_pool_under_pressure", _kv_pressure, path, engine, num)
+        path = _hf_checkpoint(shapes[1], layers, os.path.join(tmp, "llama"), device)
+        llm = LLM(path, **engine)
+        _part(results, "batch1_decode", _decode, llm, device, 256 if gpu else 24)
     out = args.out or common.out_path("gpu", "json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -51,7 +51,7 @@ class SampleState:
 
     request: Request
     index: int
-    detokenizer: IncrementalDetokenizer | None  # None for a pooling request (no text)
+    detokenizer: IncrementalDetokenizer | None  # None for a pooling request or a model without a tokenizer
     logprobs: list[dict[int, Logprob]] | None = None  # only when the request asked for logprobs
     token_ids: list[int] = field(default_factory=list)  # the output: the core request's tokens up to a stop
     cumulative_logprob: float = 0.0
@@ -165,8 +165,11 @@ class OutputProcessor:
 
     def _add_sample(self, state: RequestState, req: Request) -> SampleState:
         p = state.params
-        if isinstance(p, PoolingParams):  # no text
-            sample = SampleState(req, len(state.samples), None)
+        if isinstance(p, PoolingParams) or self.tokenizer is None:  # no text (a checkpoint without a tokenizer)
+            if not isinstance(p, PoolingParams) and p.stop:
+                raise ValueError("stop strings need a tokenizer, and this model has none: give stop_token_ids")
+            sample = SampleState(req, len(state.samples), None, None if isinstance(p, PoolingParams) or
+                                 p.logprobs is None else [])
         else:
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop, p.skip_special_tokens,
                                            p.include_stop_str_in_output)
@@ -270,6 +273,8 @@ class OutputProcessor:
                 self._append_logprobs(sample, token, row, sampled, p.logprobs or 0)
             if token in u.request.stop_token_ids or token in u.request.eos_token_ids:
                 continue  # it ended the sequence: no text of its own (the scheduler finished it)
+            if sample.detokenizer is None:
+                continue
             stop = sample.detokenizer.add_token(token, len(sample.token_ids) >= p.min_tokens)
             if stop is not None:
                 sample.finish_reason, sample.stop_reason = "stop", stop
@@ -299,4 +304,4 @@ class OutputProcessor:
             state.prompt_logprobs[found.first_position + i] = entry
 
     def decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -78,8 +78,18 @@ def test_tokenizer_and_chat_template(tmp_path):
 
 
 def test_no_tokenizer_files_is_not_fatal(tmp_path):
+    """The model loads, and token-id prompts generate token ids (with logprobs; no text); stop strings, which need
+    text, are refused naming the way out."""
+    from pagedllm import LLM, SamplingParams
+
     _tiny_qwen2(tmp_path)
     assert load_model(str(tmp_path), attention_backend="reference").tokenizer is None
+    llm = LLM(str(tmp_path), attention_backend="reference", dtype="float32", num_kv_blocks=32)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].text == ""
+    assert len(out[0].outputs[0].logprobs) == 5
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, stop=["x"]), use_tqdm=False)
 
 
 def test_bfloat16_weights(tmp_path):
