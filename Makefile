@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install run test test-fast test-variants test-wheel lint bench-setup clean
+.PHONY: install run test test-fast test-variants test-wheel lint bench-setup gpu-wheels clean
 
 # The C++ kernels compile here, at install (setup.py: this CPU's best variant plus avx2 and portable, which the tests
 # force), never at run time. Without build isolation, so that the build uses the torch installed just before it
@@ -127,3 +127,16 @@ lint: install
 
 clean:
 	rm -rf $(VENV)
+
+# What `bench/gpu_check.sh` needs on a lent GPU machine (Python 3.12; torch, Triton and transformers are there):
+# pagedllm's other dependencies as wheels, at the versions installed here, into .whl/ (which the device tool carries).
+GPU_WHEELS := gguf jsonschema jsonschema-specifications referencing rpds-py llguidance fastapi starlette pydantic \
+	pydantic_core annotated-types typing-inspection uvicorn openai distro jiter sniffio
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	for p in $$($(PIP) freeze | grep -i -E "^($$(echo $(GPU_WHEELS) | tr ' ' '|'))==" ); do \
+		$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			$(foreach n,17 27 28 31 34 35 39,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
+			-d .whl $$p || exit 1; \
+	done
+	du -sh .whl
