@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# name -> torch dtype; "auto" (the default) is decided per CPU and weight format by auto_dtype.
-DTYPES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "auto": "auto"}
+# name -> torch dtype; "auto" (the default) is decided per CPU and weight format by auto_dtype. float16 runs on the
+# device path only (a GPU: engine/placement.py); the CPU's kernels compute in fp32 and bf16.
+DTYPES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "auto"}
 
 
 def auto_dtype(quantized: bool) -> str:
@@ -26,8 +27,8 @@ def resolve_dtype(dtype: str | torch.dtype, quantized: bool = False) -> torch.dt
     import torch
 
     if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {dtype!r}")

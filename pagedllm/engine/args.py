@@ -156,7 +156,8 @@ class EngineArgs:
         g.add_argument("--model", default=None, help=model_help)
         g.add_argument("--dtype", default=d.dtype, choices=list(DTYPES),
                        help="compute dtype of weights, activations and KV cache (auto: bfloat16 where the CPU has "
-                            "avx512_bf16/AMX or the weights are dense, else float32)")
+                            "avx512_bf16/AMX or the weights are dense, else float32; bfloat16 on a GPU; float16: on a "
+                            "GPU only)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                        help="memory for the KV cache, e.g. 2GiB (sizes the block pool)")

@@ -56,6 +56,9 @@ def place(args: EngineArgs) -> Placement:
     backend = get_backend(args.attention_backend, device)
     placement = Placement(device, backend, args.quantization, args.dtype)
     if not placement.torch_path:
+        if args.dtype == "float16":
+            raise EngineConfigError("dtype='float16' runs on a GPU (device='cuda'); the CPU's kernels compute in "
+                                    "bfloat16 or float32")
         return placement
     if args.quantization in ("gguf", "int8"):
         raise EngineConfigError(f"quantization={args.quantization!r} runs on the C++ CPU kernels; on {device.type} with "

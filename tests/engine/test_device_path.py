@@ -65,6 +65,20 @@ def test_device_path_generates_the_cpu_paths_tokens(tiny_dir, cpu_llm, backend):
     assert_no_leaks(llm)
 
 
+def test_float16_on_the_device_path(tiny_dir, cpu_llm):
+    """float16 weights, activations and KV (a GPU's other half-precision type) give the fp32 C++ path's greedy
+    tokens on the tiny model (its logits are decisive), through the Triton kernels where installed; the CPU's
+    kernels refuse it by name."""
+    backend = "triton" if "triton" in BACKENDS else "device-reference"
+    llm = make_llm(tiny_dir, attention_backend=backend, dtype="float16", device=DEVICE)
+    assert llm.engine.runner.kv_caches.pool.dtype == torch.float16
+    prompts = random_prompts(3, seed=11, lo=10, hi=40)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == tokens(cpu_llm.generate(prompts, GREEDY,
+                                                                                              use_tqdm=False))
+    with pytest.raises(ValueError, match="float16.*GPU"):
+        place(EngineArgs(dtype="float16"))
+
+
 def test_profile_step_runs_the_largest_step_on_the_device_path(tiny_dir):
     """What a GPU's KV budget measures: one prompt of max_num_batched_tokens over a pool just large enough."""
     llm = make_llm(tiny_dir, attention_backend="device-reference", num_kv_blocks=64, device=DEVICE)
