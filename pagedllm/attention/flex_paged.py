@@ -38,9 +38,9 @@ output is cast back to q's dtype. Sinks: flex returns the natural-log logsumexp 
 sink logit s in the denominator scales the output by e^lse / (e^lse + e^s) = sigmoid(lse - s).
 
 Limits. int8 KV pools are refused (the "triton" backend reads them). A block the mask lists is read whole: masked
-slots weigh 0, but 0 x NaN is NaN, so slots past a request's length in its last block must hold finite values
-(eager flex reads every value of the pool: one NaN value anywhere, e.g. in a failed request's freed block, reaches
-every output; it is for tests).
+slots weigh 0, but 0 x NaN is NaN, so each step clears the slots past a request's length in its last block
+(clear_tails: a reused block may hold a failed request's non-finite K/V). Eager flex reads every value of the pool:
+one NaN value anywhere reaches every output; it is for tests.
 On cuda the block size must be a power of two >= 16 (it is flex's KV tile). Inductor's CPU template cannot
 return the logsumexp, so with sinks a compiled CPU call runs eager flex.
 """
@@ -246,6 +246,7 @@ class FlexAttentionBackend:
         if device.type == "cuda" and (bs < 16 or bs & (bs - 1)):
             raise ValueError(f"flex attention on cuda needs a block size that is a power of two >= 16, got {bs}")
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping.to(device))
+        clear_tails(k_cache, v_cache, meta)
         t, hq, _ = q.shape
         if t == 0:
             return q.new_empty(q.shape)
@@ -271,6 +272,26 @@ class FlexAttentionBackend:
             lse_rows = lse_rows if t == pm.rows * pm.qmax else lse_rows.index_select(0, pm.dest)
             res = res.float() * torch.sigmoid(lse_rows - sinks.to(device, torch.float32))[..., None]
         return res.to(q.dtype)
+
+
+def clear_tails(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Zero the slots past each request's length in its last block. Flex reads a listed block whole, and a masked
+    slot weighs 0, but 0 x NaN is NaN: a reused block may hold what a failed request left (non-finite K/V). Those
+    slots are the request's own future ones (a partly filled block is shared only by forks of one prefix, whose
+    tails are alike unwritten), so clearing them changes no result. Without reading a device value back: every
+    slot of each last block is read, the tail zeroed, and written back."""
+    nb, bs = k_cache.shape[:2]
+    seq = meta.seq_lens.to(k_cache.device, torch.int64)
+    if seq.numel() == 0:
+        return
+    last = meta.block_tables.to(k_cache.device, torch.int64).gather(1, ((seq - 1).clamp(min=0) // bs)[:, None])
+    offsets = torch.arange(bs, device=k_cache.device)
+    slots = (last * bs + offsets).reshape(-1)
+    filled = seq % bs
+    tail = ((offsets[None, :] >= filled[:, None]) & (filled[:, None] > 0)).reshape(-1, 1, 1)
+    for cache in (k_cache, v_cache):
+        flat = cache.view(nb * bs, *cache.shape[2:])
+        flat.index_copy_(0, slots, flat.index_select(0, slots).masked_fill(tail, 0))
 
 
 def _run_flex(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, block_mask: BlockMask, scale: float, gqa: bool,

@@ -225,3 +225,23 @@ def test_registry():
     assert "flex" in available_backends("cpu") and "flex" in available_backends("cuda")
     assert get_backend("flex").name == "flex"
     assert get_backend("auto").name != "flex"  # on the CPU only when named
+
+
+def test_stale_nan_past_a_request_in_its_last_block_is_cleared():
+    """A reused last block may hold a failed request's NaN K/V past the new request's length: flex reads listed
+    blocks whole (0 x NaN is NaN), so the backend zeroes those slots before attending (eager flex here reads the
+    whole pool, so any NaN left anywhere would show)."""
+    gen = torch.Generator().manual_seed(21)
+    computed, new, bs = [19, 5, 30], [1, 6, 2], 8
+    q, k, v, k_cache, v_cache, meta, _ = make_batch(gen, computed, new, bs, 4, 2, 64, spare=0)
+    for r, (c, n) in enumerate(zip(computed, new, strict=True)):
+        length = c + n
+        if length % bs:
+            block = int(meta.block_tables[r, (length - 1) // bs])
+            k_cache[block, length % bs:] = float("nan")
+            v_cache[block, length % bs:] = float("nan")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    ref = ReferenceBackend().forward(q, k, v, kc, vc, meta, 0.125)
+    out = FlexAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
