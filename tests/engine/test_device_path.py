@@ -121,10 +121,10 @@ def test_server_with_speculation_on_the_device_path(tiny_dir, cpu_llm):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
-def test_cli_names_a_missing_gpu_in_one_line(capsys):
+def test_cli_names_a_missing_gpu_in_one_line(tiny_dir, capsys):
     from pagedllm.cli import main
 
-    assert main(["generate", "--device", "cuda", "--model", "smollm2-135m-instruct", "Hi"]) == 2
+    assert main(["generate", "--device", "cuda", "--model", str(tiny_dir), "Hi"]) == 2
     assert capsys.readouterr().err.strip() == ("pagedllm: error: device 'cuda': torch sees no CUDA GPU here "
                                                f"(torch {torch.__version__}); use device='cpu'")
 
