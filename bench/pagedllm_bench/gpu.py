@@ -1,17 +1,18 @@
 """The engine on a GPU (issue 58's check), in one command that writes one JSON: `pagedllm bench gpu [--quick]`.
 
 Made to run inside 8 minutes on the lent H200 (torch, Triton and transformers are installed there; nothing can be
-downloaded, so the models are random-weight checkpoints of real shapes written there by transformers):
-1. the GPU test subset (`PAGEDLLM_TEST_DEVICE=cuda`: the Triton and FlexAttention kernels against the reference on
-   the GPU, the device path against the CPU path);
-2. on the Qwen2.5-1.5B shape in bf16: greedy output against transformers on the GPU (8 chats; where they differ,
+downloaded, so the models are random-weight checkpoints of real shapes written there by transformers); the JSON is
+rewritten after each part. In this order:
+1. on the Qwen2.5-1.5B shape in bf16: greedy output against transformers on the GPU (8 chats; where they differ,
    transformers' own top-2 log-probability gap at the first difference: a near tie or not), offline throughput
    on the standard workload (256 requests, prompts U[32,512], outputs U[16,256]) against transformers' paged
    continuous batching (`generate_batch`) on the same GPU and requests, the GPU's peak memory against the KV
    pool; then the same workload over a pool of 40% of the blocks it needs at once (the pool is the limit: its peak
    use, preemption, every request finished, no out-of-memory);
-3. on the Llama-3.2-3B shape: batch-1 decode tokens/s next to the HBM roofline (weight bytes over the copy
-   bandwidth measured in the same run).
+2. on the Llama-3.2-3B shape: batch-1 decode tokens/s next to the HBM roofline (weight bytes over the copy
+   bandwidth measured in the same run);
+3. the GPU test subset (`PAGEDLLM_TEST_DEVICE=cuda`: the Triton kernels against the reference on the GPU, the
+   device path, CUDA graphs included, against the CPU path).
 Each part records its error instead of stopping the others.
 """
 
@@ -81,7 +82,9 @@ def _hf_checkpoint(shape_name: str, layers: int | None, path: str, device: str) 
     return path
 
 
-def _part(results: dict, name: str, fn, *a) -> None:
+def _part(results: dict, out: str, name: str, fn, *a) -> None:
+    """Run one part into results[name] and write the JSON so far (a run stopped by its time limit keeps the parts
+    it finished)."""
     t0 = time.perf_counter()
     try:
         results[name] = fn(*a)
@@ -89,12 +92,14 @@ def _part(results: dict, name: str, fn, *a) -> None:
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     results[name]["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"{name}: {json.dumps(results[name])[:600]}", flush=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
 
 
 def _tests() -> dict:
     env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cuda")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=150)
     return {"returncode": proc.returncode, "tail": proc.stdout[-2500:] + proc.stderr[-1000:]}
 
 
@@ -285,21 +290,20 @@ def run(args: argparse.Namespace) -> dict:
     engine = dict(device=device, dtype="bfloat16", attention_backend=args.attention_backend)
     if not gpu:
         engine |= dict(quantization="none", kv_cache_memory="512MiB")
-    if not args.skip_tests:
-        _part(results, "tests", _tests)
+    out = args.out or common.out_path("gpu", "json")
     with tempfile.TemporaryDirectory() as tmp:
         path = _hf_checkpoint(shapes[0], layers, os.path.join(tmp, "qwen"), device)
         llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=8192, **engine)
         results["backend"] = llm.engine.runner.backend.name
-        _part(results, "greedy_vs_transformers", _greedy, path, llm, device, 8 if gpu else 2)
-        _part(results, "offline_throughput", _offline, path, llm, num, device)
+        _part(results, out, "greedy_vs_transformers", _greedy, path, llm, device, 8 if gpu else 2)
+        _part(results, out, "offline_throughput", _offline, path, llm, num, device)
         del llm
-        _part(results, "kv_pool_under_pressure", _kv_pressure, path, engine, num)
+        _part(results, out, "kv_pool_under_pressure", _kv_pressure, path, engine, num)
         path = _hf_checkpoint(shapes[1], layers, os.path.join(tmp, "llama"), device)
         llm = LLM(path, **engine)
-        _part(results, "batch1_decode", _decode, llm, device, 256 if gpu else 24)
-    out = args.out or common.out_path("gpu", "json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        _part(results, out, "batch1_decode", _decode, llm, device, 256 if gpu else 24)
+        del llm
+    if not args.skip_tests:  # last: the figures first, inside the device's minutes
+        _part(results, out, "tests", _tests)
     print(f"wrote {out}")
     return results
