@@ -126,13 +126,20 @@ def _greedy(path: str, llm, device: str, n_chats: int = 8, new_tokens: int = 32)
     for prompt, mine in zip(prompts, ours, strict=True):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False,
-                              min_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True)
+                              min_new_tokens=new_tokens, return_dict_in_generate=True)
         theirs = out.sequences[0, len(prompt):].tolist()
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
         entry = {"equal": first is None}
         if first is not None:
-            top = out.scores[first][0].float().log_softmax(-1).topk(2).values.tolist()
-            entry |= {"first_difference": first, "hf_top2_logprob_gap": top[0] - top[1]}
+            # the gap in float32: transformers' final hidden state there times the head in float32 (its bf16
+            # logits are rounded to steps of 2^-5 and more, coarser than the 1e-2 a near tie is)
+            with torch.no_grad():
+                states = hf(torch.tensor([prompt + theirs[:first]], device=device), output_hidden_states=True)
+                head = hf.get_output_embeddings().weight.float()
+                logprobs = (states.hidden_states[-1][0, -1].float() @ head.T).log_softmax(-1)
+            top = logprobs.topk(2)
+            entry |= {"first_difference": first, "hf_top2_logprob_gap": float(top.values[0] - top.values[1]),
+                      "ours_is_hf_second": mine[first] == int(top.indices[1])}
         chats.append(entry)
     del hf
     equal = sum(c["equal"] for c in chats)
