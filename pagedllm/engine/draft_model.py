@@ -15,20 +15,32 @@ on its batch; --no-batch-invariant, the draft takes the faster kernels too.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerConfig
-from pagedllm.model.loader import load_model
+from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedllm.engine.placement import Placement
 
 _GREEDY = SamplingParams(temperature=0.0)
 
 
 class DraftModelProposer:
     def __init__(self, path: str, dtype: str, num_blocks: int, block_size: int, attention_backend: str,
-                 vocab_size: int, max_model_len: int, *, batch_invariant: bool = True) -> None:
-        loaded = load_model(path, dtype, load_tokenizer=False)
+                 vocab_size: int, max_model_len: int, *, batch_invariant: bool = True,
+                 placement: Placement | None = None, loaded: LoadedModel | None = None) -> None:
+        """placement: the target's device and attention backend, which the draft shares (None: the CPU, the
+        backend by name); loaded: the draft model already loaded (a GPU's KV budget needs its size first)."""
+        if loaded is None:
+            loaded = load_model(path, dtype, load_tokenizer=False,
+                                quantization="auto" if placement is None else placement.quantization)
+        if placement is not None:
+            loaded.model.to(placement.device)
         if loaded.config.vocab_size != vocab_size:
             raise ValueError(f"draft model {path} has a vocabulary of {loaded.config.vocab_size} tokens, the "
                              f"target {vocab_size}: a draft model must share the target's tokenizer")
@@ -36,8 +48,9 @@ class DraftModelProposer:
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=max(2048, max_model_len),
                                                    max_model_len=max_model_len), self.kv)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks=num_blocks, block_size=block_size,
-                                  kv_dtype=loaded.dtype, attention_backend=attention_backend,
-                                  batch_invariant=batch_invariant)
+                                  kv_dtype=loaded.dtype, batch_invariant=batch_invariant,
+                                  attention_backend=attention_backend if placement is None else placement.backend,
+                                  device="cpu" if placement is None else placement.device)
 
     def retain(self, live_ids: set[str]) -> None:
         pass  # nothing is kept between rounds but the draft pool's prefix cache

@@ -60,6 +60,11 @@ class LLMEngine:
         self.placement = placement = place(args)
         loaded = load_model(self.model_path, placement.dtype, quantization=placement.quantization)
         loaded.model.to(placement.device)
+        spec = args.speculative_config or {}
+        # on a GPU a draft model is loaded first: the KV budget subtracts its weights and its pool (_kv_budget)
+        self._draft = (load_model(spec["model"], loaded.dtype, quantization=placement.quantization,
+                                  load_tokenizer=False)
+                       if placement.device.type != "cpu" and spec.get("method") == "draft_model" else None)
         self.dtype = dtype = loaded.dtype  # "auto" is decided by the loader (it knows the weight format)
         self.args = args
         self.generation_defaults = generation_defaults(self.model_path, args.generation_config,
@@ -105,7 +110,8 @@ class LLMEngine:
             self.speculator = make_speculator(args.speculative_config, dtype=dtype, num_blocks=num_blocks,
                                               block_size=args.block_size, attention_backend=args.attention_backend,
                                               vocab_size=self.model_config.vocab_size,
-                                              max_model_len=self.max_model_len, batch_invariant=args.batch_invariant)
+                                              max_model_len=self.max_model_len, batch_invariant=args.batch_invariant,
+                                              **self._draft_placement())
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
         self.disk_tier = make_disk_tier(  # None: off
@@ -119,6 +125,13 @@ class LLMEngine:
                     "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
                     num_blocks, args.block_size, num_blocks * args.block_size, self.kv_cache_dtype_name(),
                     self.kv_bytes_per_token())
+
+    def _draft_placement(self) -> dict:
+        """A draft model on the torch path runs where the target runs, with its backend; on a GPU it is loaded
+        before the KV pools are sized (its weights and its pool share the budget: _kv_budget)."""
+        if not self.placement.torch_path:
+            return {}
+        return {"placement": self.placement, "loaded": self._draft}
 
     def _kv_budget(self, model) -> int:
         """The KV pool's bytes: kv_cache_memory on the CPU; on a GPU what a profiled largest step leaves of
@@ -134,7 +147,15 @@ class LLMEngine:
                                  attention_backend=self.placement.backend, device=device, layout=self.kv_groups)
             runner.profile_step(tokens, min(args.max_num_seqs, tokens))
 
-        return gpu_kv_budget(device, args.gpu_memory_utilization, profile)
+        budget = gpu_kv_budget(device, args.gpu_memory_utilization, profile)
+        if self._draft is None:
+            return budget
+        # a draft model's weights come out of the budget, and its pool (as many blocks as the target's) takes its
+        # share of the rest: the target's pool gets its bytes per block's part
+        weights = sum(p.numel() * p.element_size() for p in self._draft.model.parameters())
+        ours = kv_bytes_per_block(self.model_config, args.block_size, self.kv_dtype, self.kv_groups.group_size)
+        theirs = kv_bytes_per_block(self._draft.config, args.block_size, self._draft.dtype)
+        return (budget - weights) * ours // (ours + theirs)
 
     @property
     def task(self) -> str:

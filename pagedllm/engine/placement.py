@@ -71,10 +71,6 @@ def place(args: EngineArgs) -> Placement:
         for flag, on in (("enable_lora", args.enable_lora), ("kv_disk_cache_dir", args.kv_disk_cache_dir)):
             if on:
                 raise EngineConfigError(f"{flag} runs on the CPU only so far; not with device={args.device!r}")
-        spec = args.speculative_config or {}
-        if spec.get("method") == "draft_model":
-            raise EngineConfigError("a draft model runs on the CPU only so far; with device='cuda' use "
-                                    "speculative_config {'method': 'ngram'}")
     return placement
 
 

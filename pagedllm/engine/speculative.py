@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -167,12 +167,13 @@ class Speculator:
 
 def make_speculator(spec: dict | SpeculativeConfig, *, dtype: str, num_blocks: int, block_size: int,
                     attention_backend: str, vocab_size: int, max_model_len: int,
-                    batch_invariant: bool = True) -> Speculator:
-    """batch_invariant: the engine's kernel mode, which a draft model runs in too (one setting for the engine)."""
+                    batch_invariant: bool = True, **draft: Any) -> Speculator:
+    """batch_invariant: the engine's kernel mode, which a draft model runs in too (one setting for the engine).
+    draft: DraftModelProposer's placement and loaded (the target's device and backend; the model loaded before)."""
     config = SpeculativeConfig.from_dict(spec)
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config))
     from pagedllm.engine.draft_model import DraftModelProposer
 
     return Speculator(config, DraftModelProposer(config.model, dtype, num_blocks, block_size, attention_backend,
-                                                 vocab_size, max_model_len, batch_invariant=batch_invariant))
+                                                 vocab_size, max_model_len, batch_invariant=batch_invariant, **draft))

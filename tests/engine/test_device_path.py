@@ -79,6 +79,19 @@ def test_float16_on_the_device_path(tiny_dir, cpu_llm):
         place(EngineArgs(dtype="float16"))
 
 
+def test_draft_model_speculation_on_the_device_path(tiny_dir, cpu_llm):
+    """A draft model runs where the target runs, with its backend (on a GPU its weights and pool come out of the
+    KV budget): greedy tokens equal the CPU path's without speculation, and drafts were accepted."""
+    llm = make_llm(tiny_dir, attention_backend="device-reference", device=DEVICE, speculative_config={
+        "method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3})
+    draft = llm.engine.speculator.proposer.runner
+    assert not draft.kernel_mode.cpu_kernels and draft.device == llm.engine.runner.device
+    prompts = random_prompts(3, seed=13, lo=10, hi=40)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == tokens(cpu_llm.generate(prompts, GREEDY,
+                                                                                              use_tqdm=False))
+    assert llm.engine.spec_decode_stats()["num_accepted_tokens"] > 0
+
+
 def test_profile_step_runs_the_largest_step_on_the_device_path(tiny_dir):
     """What a GPU's KV budget measures: one prompt of max_num_batched_tokens over a pool just large enough."""
     llm = make_llm(tiny_dir, attention_backend="device-reference", num_kv_blocks=64, device=DEVICE)
