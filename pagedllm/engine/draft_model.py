@@ -15,7 +15,9 @@ on its batch; --no-batch-invariant, the draft takes the faster kernels too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+import torch
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
@@ -24,8 +26,14 @@ from pagedllm.model.loader import LoadedModel, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
-if TYPE_CHECKING:
-    from pagedllm.engine.placement import Placement
+
+class Where(Protocol):
+    """What the draft takes of the target's placement (engine/placement.Placement)."""
+
+    device: torch.device
+    backend: Any
+    quantization: str
+
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -33,7 +41,7 @@ _GREEDY = SamplingParams(temperature=0.0)
 class DraftModelProposer:
     def __init__(self, path: str, dtype: str, num_blocks: int, block_size: int, attention_backend: str,
                  vocab_size: int, max_model_len: int, *, batch_invariant: bool = True,
-                 placement: Placement | None = None, loaded: LoadedModel | None = None) -> None:
+                 placement: Where | None = None, loaded: LoadedModel | None = None) -> None:
         """placement: the target's device and attention backend, which the draft shares (None: the CPU, the
         backend by name); loaded: the draft model already loaded (a GPU's KV budget needs its size first)."""
         if loaded is None:
