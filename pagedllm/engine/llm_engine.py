@@ -17,12 +17,13 @@ from pagedllm.core.kv_groups import plan_kv_groups
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedllm.core.step import RunnerOutput
-from pagedllm.engine.args import EngineArgs, parse_bytes
+from pagedllm.engine.args import EngineArgs
 from pagedllm.engine.disk_tier import make_disk_tier
 from pagedllm.engine.fault_isolation import execute_isolating_faults
+from pagedllm.engine.kv_budget import draft_loaded_first, kv_budget
 from pagedllm.engine.lora_registry import LoRARegistry, ReadLoRA, lora_cache_salt
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SpecDecodeStats
-from pagedllm.engine.placement import gpu_kv_budget, place
+from pagedllm.engine.placement import place
 from pagedllm.engine.prompt_limits import check_text_length, max_token_chars
 from pagedllm.engine.scoring import check_pair_length, tokenize_pair
 from pagedllm.engine.speculative import make_speculator
@@ -60,11 +61,7 @@ class LLMEngine:
         self.placement = placement = place(args)
         loaded = load_model(self.model_path, placement.dtype, quantization=placement.quantization)
         loaded.model.to(placement.device)
-        spec = args.speculative_config or {}
-        # on a GPU a draft model is loaded first: the KV budget subtracts its weights and its pool (_kv_budget)
-        self._draft = (load_model(spec["model"], loaded.dtype, quantization=placement.quantization,
-                                  load_tokenizer=False)
-                       if placement.device.type != "cpu" and spec.get("method") == "draft_model" else None)
+        draft = draft_loaded_first(placement, args.speculative_config, loaded.dtype)
         self.dtype = dtype = loaded.dtype  # "auto" is decided by the loader (it knows the weight format)
         self.args = args
         self.generation_defaults = generation_defaults(self.model_path, args.generation_config,
@@ -80,8 +77,9 @@ class LLMEngine:
         cfg = self.model_config
         self.kv_groups = plan_kv_groups([cfg.layer_window(i) for i in range(cfg.num_layers)], self.max_model_len,
                                         hybrid=args.hybrid_kv_cache and args.kv_layout == "paged")
-        num_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            cfg, args.block_size, self.kv_dtype, self._kv_budget(loaded.model), self.kv_groups.group_size)
+        num_blocks = args.num_kv_blocks or num_blocks_for_budget(  # (a GPU's budget is profiled: only if needed)
+            cfg, args.block_size, self.kv_dtype, kv_budget(args, placement, loaded.model, cfg, self.kv_dtype,
+                                                           self.kv_groups, draft), self.kv_groups.group_size)
         self.kv = make_kv_cache_manager(num_blocks, args.block_size, self.kv_groups,
                                         enable_prefix_caching=args.enable_prefix_caching, kv_layout=args.kv_layout,
                                         max_model_len=self.max_model_len)
@@ -111,7 +109,8 @@ class LLMEngine:
                                               block_size=args.block_size, attention_backend=args.attention_backend,
                                               vocab_size=self.model_config.vocab_size,
                                               max_model_len=self.max_model_len, batch_invariant=args.batch_invariant,
-                                              **self._draft_placement())
+                                              **({"placement": placement, "loaded": draft}  # where we run
+                                                 if placement.torch_path else {}))
             self.output_processor.on_verified = self.speculator.observe
         self._structured = None  # StructuredOutputManager, made on the first constrained request
         self.disk_tier = make_disk_tier(  # None: off
@@ -125,37 +124,6 @@ class LLMEngine:
                     "%d bytes per token)", time.perf_counter() - t0, self.model_name, str(dtype).removeprefix("torch."),
                     num_blocks, args.block_size, num_blocks * args.block_size, self.kv_cache_dtype_name(),
                     self.kv_bytes_per_token())
-
-    def _draft_placement(self) -> dict:
-        """A draft model on the torch path runs where the target runs, with its backend; on a GPU it is loaded
-        before the KV pools are sized (its weights and its pool share the budget: _kv_budget)."""
-        if not self.placement.torch_path:
-            return {}
-        return {"placement": self.placement, "loaded": self._draft}
-
-    def _kv_budget(self, model) -> int:
-        """The KV pool's bytes: kv_cache_memory on the CPU; on a GPU what a profiled largest step leaves of
-        gpu_memory_utilization (engine/placement.py)."""
-        args, device = self.args, self.placement.device
-        if device.type == "cpu":
-            return parse_bytes(args.kv_cache_memory)
-
-        def profile() -> None:  # the largest step over a throwaway pool just big enough for it
-            tokens = args.max_num_batched_tokens
-            runner = ModelRunner(model, self.model_config, num_blocks=-(-tokens // args.block_size) + 1,
-                                 block_size=args.block_size, kv_dtype=self.kv_dtype,
-                                 attention_backend=self.placement.backend, device=device, layout=self.kv_groups)
-            runner.profile_step(tokens, min(args.max_num_seqs, tokens))
-
-        budget = gpu_kv_budget(device, args.gpu_memory_utilization, profile)
-        if self._draft is None:
-            return budget
-        # a draft model's weights come out of the budget, and its pool (as many blocks as the target's) takes its
-        # share of the rest: the target's pool gets its bytes per block's part
-        weights = sum(p.numel() * p.element_size() for p in self._draft.model.parameters())
-        ours = kv_bytes_per_block(self.model_config, args.block_size, self.kv_dtype, self.kv_groups.group_size)
-        theirs = kv_bytes_per_block(self._draft.config, args.block_size, self._draft.dtype)
-        return (budget - weights) * ours // (ours + theirs)
 
     @property
     def task(self) -> str:

@@ -1,5 +1,5 @@
-"""Where the model runs: the device, its attention backend, how the weights load for it, and (on a GPU) how
-many KV blocks fit.
+"""Where the model runs: the device, its attention backend, and how the weights load for it (engine/kv_budget.py:
+how many KV blocks fit there).
 
 On the CPU the C++ kernels run everything (GGUF blocks as stored). On a GPU the weights are dense bf16 (a GGUF
 file is dequantized once at load; there are no quantized GPU kernels), the attention is a device backend (Triton
@@ -10,15 +10,12 @@ on the CPU when a device backend is named (`attention_backend="triton"|"flex"`):
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from pagedllm.attention import AttentionBackend, get_backend
 from pagedllm.engine.args import EngineArgs, EngineConfigError
-
-logger = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -72,28 +69,3 @@ def place(args: EngineArgs) -> Placement:
             if on:
                 raise EngineConfigError(f"{flag} runs on the CPU only so far; not with device={args.device!r}")
     return placement
-
-
-def gpu_kv_budget(device: torch.device, utilization: float, profile_step) -> int:
-    """Bytes the KV pool may take on a GPU: total x utilization, less the memory in use at the peak of
-    `profile_step()` (the weights plus the largest step's activations, run once over a small pool) and what other
-    processes hold."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    profile_step()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    others = max(0, total - free - torch.cuda.memory_reserved(device))
-    budget = int(total * utilization) - peak - others
-    logger.info("GPU memory: %.1f GiB total, x %.2f = %.1f GiB; weights + activation peak %.1f GiB, other processes "
-                "%.1f GiB: %.1f GiB for the KV cache", total / 2**30, utilization, total * utilization / 2**30,
-                peak / 2**30, others / 2**30, budget / 2**30)
-    if budget <= 0:
-        raise EngineConfigError(
-            f"no GPU memory is left for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
-            f"{utilization} is less than the weights and activations ({peak / 2**30:.1f} GiB) plus other processes "
-            f"({others / 2**30:.1f} GiB); raise gpu_memory_utilization or use a smaller model")
-    return budget
