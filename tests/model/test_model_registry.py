@@ -131,8 +131,9 @@ def test_weight_table_errors():
 def test_one_dtype_table():
     assert resolve_dtype("auto") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
     assert resolve_dtype(torch.bfloat16) is torch.bfloat16
-    assert set(DTYPES) == {"float32", "bfloat16", "auto"}
-    for bad in ("float16", torch.float16):
+    assert set(DTYPES) == {"float32", "bfloat16", "float16", "auto"}  # (float16: the device path only, placement.py)
+    assert resolve_dtype("float16") is torch.float16
+    for bad in ("float64", torch.float64, torch.int8):
         with pytest.raises(ValueError, match="dtype"):
             resolve_dtype(bad)
     with pytest.raises(ValueError, match="dtype must be one of"):
