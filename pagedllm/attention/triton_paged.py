@@ -112,6 +112,21 @@ def _finish(m, den, acc, sinks_ptr, head, row_ok, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
+def _decode_request(i, req_idx_ptr, seq_lens_ptr, qsl_ptr, window, HAS_WINDOW: tl.constexpr,
+                    USE_REQ_IDX: tl.constexpr):
+    """Decode program i's request, its length, its query's row and the first key its window sees."""
+    req = i
+    if USE_REQ_IDX:  # a mixed batch: the decode requests among the others
+        req = tl.load(req_idx_ptr + i)
+    seq_len = tl.load(seq_lens_ptr + req)
+    tok = tl.load(qsl_ptr + req).to(tl.int64)
+    k0 = seq_len * 0
+    if HAS_WINDOW:
+        k0 = tl.maximum(seq_len - window, 0)
+    return req, seq_len, tok, k0
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
                    req_idx_ptr, sinks_ptr, s_qt, s_qh, s_ot, s_oh, s_blk, s_tok, s_head, s_bt, qk_scale, window,
                    split_len, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
@@ -123,14 +138,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, bt_p
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    req = i
-    if USE_REQ_IDX:  # a mixed batch: the decode requests among the others
-        req = tl.load(req_idx_ptr + i)
-    seq_len = tl.load(seq_lens_ptr + req)
-    tok = tl.load(qsl_ptr + req).to(tl.int64)
-    k0 = seq_len * 0
-    if HAS_WINDOW:
-        k0 = tl.maximum(seq_len - window, 0)
+    req, seq_len, tok, k0 = _decode_request(i, req_idx_ptr, seq_lens_ptr, qsl_ptr, window, HAS_WINDOW, USE_REQ_IDX)
     lo = k0 + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)  # lo >= hi: a split past the context, neutral partial
 
@@ -168,14 +176,7 @@ def _merge_kernel(out_ptr, part_ml_ptr, part_acc_ptr, seq_lens_ptr, qsl_ptr, req
     """Merges one decode request's live splits (those holding keys), in split order, for one KV head's group."""
     i = tl.program_id(0)
     kvh = tl.program_id(1)
-    req = i
-    if USE_REQ_IDX:
-        req = tl.load(req_idx_ptr + i)
-    seq_len = tl.load(seq_lens_ptr + req)
-    tok = tl.load(qsl_ptr + req).to(tl.int64)
-    k0 = seq_len * 0
-    if HAS_WINDOW:
-        k0 = tl.maximum(seq_len - window, 0)
+    _, seq_len, tok, k0 = _decode_request(i, req_idx_ptr, seq_lens_ptr, qsl_ptr, window, HAS_WINDOW, USE_REQ_IDX)
     live = tl.cdiv(seq_len - k0, split_len)
 
     rows = tl.arange(0, GROUP_P)
