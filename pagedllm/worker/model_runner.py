@@ -100,8 +100,8 @@ class ModelRunner:
         self.upload = None if cpu_kernels else StepUpload(self.device)
         # the device path's pool has one block past the block manager's: padding rows of a decode graph write there
         self.scratch_block = None if cpu_kernels else num_blocks
-        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, num_blocks=num_blocks + (not cpu_kernels),
-                                            layout=layout, device=self.device)
+        self.kv_caches = allocate_kv_caches(config, block_size, kv_dtype, layout=layout, device=self.device,
+                                            num_blocks=num_blocks if cpu_kernels else num_blocks + 1)
         self.decode_graphs: DecodeGraphs | None = None
         self.num_groups = layout.num_groups if layout else 1
         if hasattr(model, "set_attention_backend"):
@@ -145,7 +145,7 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, num_rows: int) -> None:
         """One forward of the largest step (one prompt of num_tokens tokens over this runner's pool, which must
-        hold them) and its logits for num_rows rows: what a GPU's KV budget subtracts (engine/placement.py)."""
+        hold them) and its logits for num_rows rows: what a GPU's KV budget subtracts (engine/kv_budget.py)."""
         blocks = list(range(-(-num_tokens // self.block_size)))
         positions = compute_positions([0], [num_tokens])
         metas = [build_attention_metadata([blocks], [0], [num_tokens], self.block_size, positions)] * self.num_groups
