@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, build_attention_metadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -65,27 +65,25 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= len(num_new))
 
-    def _fill(self, b: int, token_ids: list[int], positions: np.ndarray, tables: list[list[list[int]]],
-              seq_lens: list[int]) -> None:
-        """The step's rows, then padding rows (scratch slot, a context of one token in the scratch block), copied
-        to the static device buffers (the first b rows)."""
+    def _fill(self, b: int, token_ids: list[int], positions: np.ndarray, tables: list[list[list[int]]]) -> list[int]:
+        """The step's rows (each group's metadata as build_attention_metadata makes it), then padding rows (scratch
+        slot, a context of one token in the scratch block), copied to the static device buffers (the first b
+        rows). -> the rows' sequence lengths."""
         n = len(token_ids)
         ids, pos, lens = (h.numpy() for h, _ in (self.ids, self.pos, self.seq_lens))
         ids[:n], pos[:n] = token_ids, positions
         ids[n:b] = pos[n:b] = 0
-        lens[:n], lens[n:b] = seq_lens, 1
-        rows = np.arange(n)
         for g in range(len(self.tables)):
+            meta = build_attention_metadata(tables[g], positions.tolist(), [1] * n, self.block_size, positions)
             table, slots = self.tables[g][0].numpy(), self.slots[g][0].numpy()
-            table[:b] = 0
-            for r, blocks in enumerate(tables[g]):
-                table[r, :len(blocks)] = blocks
+            width = meta.block_tables.shape[1]
+            table[:n, :width], table[:n, width:], table[n:b] = meta.block_tables.numpy(), 0, 0
             table[n:b, 0] = self.scratch
-            # the new token's slot: its position's block in this group's table
-            slots[:n] = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-            slots[n:b] = self.scratch * self.block_size
+            slots[:n], slots[n:b] = meta.slot_mapping.numpy(), self.scratch * self.block_size
+        lens[:n], lens[n:b] = meta.seq_lens.numpy(), 1
         for host, dev in (self.ids, self.pos, self.seq_lens, *self.tables, *self.slots):
             dev[:b].copy_(host[:b], non_blocking=True)
+        return meta.seq_lens_list
 
     def _metas(self, b: int, seq_lens: list[int]) -> list[AttentionMetadata]:
         """The static metadata of bucket b per layer: views of the buffers; max_seq_len is the bound the rotary
@@ -99,10 +97,10 @@ class DecodeGraphs:
     def _forward(self, b: int, seq_lens: list[int]) -> torch.Tensor:
         return self.model(self.ids[1][:b], self.pos[1][:b], self.kv_caches, self._metas(b, seq_lens))
 
-    def run(self, b: int, token_ids: list[int], positions: np.ndarray, tables: list[list[list[int]]],
-            seq_lens: list[int]) -> torch.Tensor:
+    def run(self, b: int, token_ids: list[int], positions: np.ndarray,
+            tables: list[list[list[int]]]) -> torch.Tensor:
         """Hidden states [n, H] of the step's n rows (a view of a static buffer: read before the next step)."""
-        self._fill(b, token_ids, positions, tables, seq_lens)
+        seq_lens = self._fill(b, token_ids, positions, tables)
         if not self.capture:
             return self._forward(b, seq_lens)[:len(token_ids)]
         if b not in self.graphs:

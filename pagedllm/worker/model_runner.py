@@ -202,7 +202,7 @@ class ModelRunner:
         tables = [[s.block_ids[g] for s in scheduled] for g in range(self.num_groups)]
         bucket = self.decode_graphs.bucket(num_new, tables) if self.decode_graphs is not None else None
         if bucket is not None:
-            hidden = self.decode_graphs.run(bucket, token_ids, positions, tables, [c + 1 for c in num_computed])
+            hidden = self.decode_graphs.run(bucket, token_ids, positions, tables)
         else:
             metas = [build_attention_metadata(t, num_computed, num_new, self.block_size, positions) for t in tables]
             with self._adapters(scheduled):
