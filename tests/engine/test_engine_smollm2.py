@@ -22,7 +22,7 @@ def hf_model(hf_smollm2):
 
 
 def test_batched_chat_greedy_matches_transformers(llm, hf_model):
-    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]]  # each costs transformers a generate
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for out in outs:
         prompt = out.prompt_token_ids

@@ -11,7 +11,7 @@ from agent_harness import API_KEY, WEATHER_SCHEMA
 from server_harness import assert_idle_no_leak
 
 SEED = 20261126
-N = 160
+N = 100
 SCALARS = [None, 0, -1, 1.5, True, "", "x", "auto", "none", "required", "any", "tool", "function", [], {}]
 
 

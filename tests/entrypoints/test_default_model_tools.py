@@ -53,16 +53,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def tool_call_counts(need: list[str], need_none: list[str], say=print) -> tuple[int, int]:
+def _start_server(peer: str, port: int) -> subprocess.Popen:
+    """The default model behind `pagedllm serve`, or the same file behind llama.cpp's `llama-server --jinja` (the
+    peer: its own Hermes-style parser reads the same model's output)."""
+    env = {**os.environ, "PAGEDLLM_DEFAULT_MODEL": "qwen2.5-coder-0.5b-instruct"}
+    if peer == "llama-server":
+        from pagedllm.model.embedded import embedded_model_path
+
+        model = embedded_model_path("qwen2.5-coder-0.5b-instruct")
+        llama_server = os.path.join(os.path.dirname(sys.executable), "llama-server")  # make bench-setup
+        cmd = [llama_server, "-m", model, "--jinja", "--port", str(port), "-c", "2048"]
+    else:
+        cmd = [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), "--max-model-len", "2048"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def tool_call_counts(need: list[str], need_none: list[str], say=print, peer: str = "pagedllm") -> tuple[int, int]:
     """(requests of `need` answered with tool_calls, requests of `need_none` answered with tool_calls), from the
-    default model behind `pagedllm serve`."""
+    default model behind `peer`."""
     import httpx
     import openai
 
     port = _free_port()
-    env = {**os.environ, "PAGEDLLM_DEFAULT_MODEL": "qwen2.5-coder-0.5b-instruct"}
-    server = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", "--port", str(port), "--max-model-len",
-                               "2048"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = _start_server(peer, port)
     try:
         for _ in range(600):
             try:
@@ -103,6 +116,7 @@ def test_the_default_model_calls_tools_through_the_sdk():
 
 if __name__ == "__main__":
     t0 = time.monotonic()
-    called, needless = tool_call_counts(NEEDS_A_TOOL, NEEDS_NONE)
-    print(f"tool_calls for {called}/{len(NEEDS_A_TOOL)} requests that need a tool, {needless}/{len(NEEDS_NONE)} "
+    peer = sys.argv[1] if len(sys.argv) > 1 else "pagedllm"  # or llama-server
+    called, needless = tool_call_counts(NEEDS_A_TOOL, NEEDS_NONE, peer=peer)
+    print(f"{peer}: tool_calls for {called}/{len(NEEDS_A_TOOL)} requests that need a tool, {needless}/{len(NEEDS_NONE)} "
           f"that do not ({time.monotonic() - t0:.0f} s)")

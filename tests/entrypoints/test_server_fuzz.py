@@ -96,7 +96,7 @@ def test_schema_fuzz_never_5xx(server):
     strategies = {path: hjs.from_schema(schema) for path, schema in server.schemas.items()}
     seen: dict[int, int] = {}
 
-    @settings(max_examples=50, deadline=None, derandomize=False, database=None,
+    @settings(max_examples=30, deadline=None, derandomize=False, database=None,
               suppress_health_check=list(HealthCheck))
     @given(path=st.sampled_from(sorted(strategies)), data=st.data(), drop_model=st.booleans())
     def check(path, data, drop_model):

@@ -93,6 +93,7 @@ def test_experts_as_stored_match_dequantized(tmp_path, arch):
     assert err.median().item() < 0.03, f"relative logit errors {err.tolist()}"
 
 
+@pytest.mark.slow  # the converter and transformers: about the file, not the kernels (make test-variants skips it)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_llama_cpp_converted_file_matches_transformers(tmp_path, arch):
     out, hf, vocab = llama_cpp_convert(lambda v: hf_moe(arch, vocab=v, dense_layer=False), tmp_path)
