@@ -657,99 +657,123 @@ inline void load_codes(const uint8_t* blk, int h, __m256i* c) {
 template <Codes C>
 constexpr bool kSignedDot = C == Codes::k8 || C == Codes::kNL4;
 
-// The dots of one 32-block of half h against MR activation rows, folded into acc by the block's scales.
-template <class T, int MR>
-inline void block_dots(const __m256i* c, const __m256* ws, const __m256* wo, const Acts& A, int64_t m0, int64_t k,
-                       __m256* acc) {
+// The dots of one 32-block of NH halves (c[h]: load_codes of the half) against MR activation rows, folded into
+// acc[h] by the block's scales. A decode row takes both halves at once (NH = 2): each activation broadcast and
+// scale serves 16 rows, and the group's bytes are read in one pass.
+template <class T, int MR, int NH>
+inline void block_dots(const __m256i (&c)[NH][8], const __m256 (&ws)[NH][T::kHalves],
+                       const __m256 (&wo)[NH][T::kHalves], const Acts& A, int64_t m0, int64_t k,
+                       __m256 (&acc)[NH][MR]) {
   constexpr bool kSigned = kSignedDot<T::kCodes>;
   // vpmaddubsw results summed in 16 bits before widening, as many as stay below 2^15 with activations of |a| <= 127:
   // each is at most 2 x 127 x the largest operand (128 signed, 63 for 6-bit codes, 31 for up to 5 bits, 24 for MXFP4)
   constexpr int kSteps16 = kSigned ? 1 : T::kCodes == Codes::k6 ? 2 : 4;
-  __m256i u[8], sign[8];  // the unsigned operands; (kSigned) the signs they were taken from
-  for (int s = 0; s < 8; ++s) {
-    if constexpr (kSigned) {
-      sign[s] = _mm256_xor_si256(c[s], _mm256_set1_epi8(static_cast<char>(0x80)));  // operand - 128, signed
-      u[s] = _mm256_abs_epi8(sign[s]);  // -128 becomes 128 as an unsigned byte
-    } else {
-      u[s] = c[s];
+  __m256i u[NH][8], sign[NH][8];  // the unsigned operands; (kSigned) the signs they were taken from
+  for (int h = 0; h < NH; ++h)
+    for (int s = 0; s < 8; ++s) {
+      if constexpr (kSigned) {
+        sign[h][s] = _mm256_xor_si256(c[h][s], _mm256_set1_epi8(static_cast<char>(0x80)));  // operand - 128, signed
+        u[h][s] = _mm256_abs_epi8(sign[h][s]);  // -128 becomes 128 as an unsigned byte
+      } else {
+        u[h][s] = c[h][s];
+      }
     }
-  }
   const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
   for (int j = 0; j < MR; ++j) {
     const int8_t* a = A.codes(m0 + j, k);
     const int64_t b = A.block(m0 + j, k);
-    __m256i part[2];
+    __m256i part[NH][2];
     for (int half = 0; half < 2; ++half) {  // elements 16 half .. 16 half + 15
-      __m256i chain = _mm256_setzero_si256();
+      __m256i chain[NH];
+      for (int h = 0; h < NH; ++h) chain[h] = _mm256_setzero_si256();
       for (int s0 = 4 * half; s0 < 4 * half + 4; s0 += kSteps16) {
-        __m256i sum16 = _mm256_setzero_si256();
+        __m256i sum16[NH];
+        for (int h = 0; h < NH; ++h) sum16[h] = _mm256_setzero_si256();
         for (int s = s0; s < s0 + kSteps16; ++s) {
           int32_t four;
           std::memcpy(&four, a + 4 * s, 4);
-          __m256i av = _mm256_set1_epi32(four);
-          if constexpr (kSigned) av = _mm256_sign_epi8(av, sign[s]);
-          sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(u[s], av));
+          const __m256i av = _mm256_set1_epi32(four);
+          for (int h = 0; h < NH; ++h)
+            sum16[h] = _mm256_add_epi16(sum16[h], _mm256_maddubs_epi16(u[h][s], kSigned ? _mm256_sign_epi8(av, sign[h][s]) : av));
         }
-        chain = _mm256_add_epi32(chain, _mm256_madd_epi16(sum16, ones));
+        for (int h = 0; h < NH; ++h) chain[h] = _mm256_add_epi32(chain[h], _mm256_madd_epi16(sum16[h], ones));
       }
-      part[half] = chain;
+      for (int h = 0; h < NH; ++h) part[h][half] = chain[h];
     }
-    if constexpr (T::kHalves == 1) {
-      __m256i isum = _mm256_add_epi32(part[0], part[1]);
-      if constexpr (!T::kHasMin && !kSigned) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-T::kZero * A.s32[b]));
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws[0], _mm256_set1_ps(A.d[b])), acc[j]);
-      if constexpr (T::kHasMin) acc[j] = _mm256_fmadd_ps(wo[0], _mm256_set1_ps(A.ds[b]), acc[j]);
-    } else {
-      const __m256i p0 = _mm256_add_epi32(part[0], _mm256_set1_epi32(-T::kZero * A.s16[2 * b]));
-      const __m256i p1 = _mm256_add_epi32(part[1], _mm256_set1_epi32(-T::kZero * A.s16[2 * b + 1]));
-      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(p0), ws[0]);
-      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), ws[1], t);
-      if constexpr (T::kHasMin) {
-        t = _mm256_fmadd_ps(wo[0], _mm256_set1_ps(static_cast<float>(A.s16[2 * b])), t);
-        t = _mm256_fmadd_ps(wo[1], _mm256_set1_ps(static_cast<float>(A.s16[2 * b + 1])), t);
+    const __m256 da = _mm256_set1_ps(A.d[b]);
+    for (int h = 0; h < NH; ++h) {
+      if constexpr (T::kHalves == 1) {
+        __m256i isum = _mm256_add_epi32(part[h][0], part[h][1]);
+        if constexpr (!T::kHasMin && !kSigned) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-T::kZero * A.s32[b]));
+        acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws[h][0], da), acc[h][j]);
+        if constexpr (T::kHasMin) acc[h][j] = _mm256_fmadd_ps(wo[h][0], _mm256_set1_ps(A.ds[b]), acc[h][j]);
+      } else {
+        const __m256i p0 = _mm256_add_epi32(part[h][0], _mm256_set1_epi32(-T::kZero * A.s16[2 * b]));
+        const __m256i p1 = _mm256_add_epi32(part[h][1], _mm256_set1_epi32(-T::kZero * A.s16[2 * b + 1]));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(p0), ws[h][0]);
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), ws[h][1], t);
+        if constexpr (T::kHasMin) {
+          t = _mm256_fmadd_ps(wo[h][0], _mm256_set1_ps(static_cast<float>(A.s16[2 * b])), t);
+          t = _mm256_fmadd_ps(wo[h][1], _mm256_set1_ps(static_cast<float>(A.s16[2 * b + 1])), t);
+        }
+        acc[h][j] = _mm256_fmadd_ps(t, da, acc[h][j]);
       }
-      acc[j] = _mm256_fmadd_ps(t, _mm256_set1_ps(A.d[b]), acc[j]);
     }
   }
+}
+
+// Halves h0 .. h0 + NH - 1 of a group (rows 8h..8h+7) against MR activation rows.
+template <class T, int MR, int NH>
+void halves(const uint8_t* g, const Acts& A, int64_t m0, int h0, void* out, bool out_f32, int64_t ldo, int64_t n0,
+            bool prefetch) {
+  using P = Packed<T>;
+  __m256 acc[NH][MR];
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < MR; ++j) acc[h][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < A.K; k += T::kBlock) {
+    const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
+    for (int64_t l = 0; prefetch && l < P::kHeadBytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
+    __m256 head[NH][T::kNumHead + 1];
+    for (int h = 0; h < NH; ++h)
+      for (int f = 0; f < T::kNumHead; ++f) head[h][f] = field8(T::kHead[f], p + P::head_offset(f), h0 + h);
+    for (int64_t b = 0; b < P::kBlocks; ++b) {
+      const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
+      for (int64_t l = 0; prefetch && l < P::kBlockBytes; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
+      __m256 ws[NH][T::kHalves], wo[NH][T::kHalves];
+      __m256i c[NH][8];
+      for (int h = 0; h < NH; ++h) {
+        __m256 f[P::kNumPer32 + 1];
+        for (int i = 0; i < P::kNumPer32; ++i) f[i] = field8(T::kPer32[i], blk + P::per32_offset(i), h0 + h);
+        T::template scales<__m256>(head[h], f, ws[h], wo[h]);
+        load_codes<T::kCodes>(blk, h0 + h, c[h]);
+      }
+      block_dots<T, MR, NH>(c, ws, wo, A, m0, k + 32 * b, acc);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < MR; ++j) {
+      const int64_t at = (m0 + j) * ldo + n0 + kHalfRows * (h0 + h);
+      if (out_f32) {
+        _mm256_storeu_ps(static_cast<float*>(out) + at, acc[h][j]);
+      } else {
+        alignas(32) float v[kHalfRows];
+        _mm256_store_ps(v, acc[h][j]);
+        for (int i = 0; i < kHalfRows; ++i) static_cast<uint16_t*>(out)[at + i] = f32_to_bf16(v[i]);
+      }
+    }
 }
 
 template <class T, int MR>
 void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo, int64_t n0,
           bool prefetch) {
-  using P = Packed<T>;
-  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7 of the group (the second half finds the group's lines cached)
-    __m256 acc[MR];
-#pragma GCC unroll 8
-    for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < A.K; k += T::kBlock) {
-      const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
-      for (int64_t l = 0; prefetch && h == 0 && l < P::kHeadBytes; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + l), _MM_HINT_T0);
-      __m256 head[T::kNumHead + 1];
-      for (int f = 0; f < T::kNumHead; ++f) head[f] = field8(T::kHead[f], p + P::head_offset(f), h);
-      for (int64_t b = 0; b < P::kBlocks; ++b) {
-        const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
-        for (int64_t l = 0; prefetch && h == 0 && l < P::kBlockBytes; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
-        __m256 f[P::kNumPer32 + 1], ws[T::kHalves], wo[T::kHalves];
-        for (int i = 0; i < P::kNumPer32; ++i) f[i] = field8(T::kPer32[i], blk + P::per32_offset(i), h);
-        T::template scales<__m256>(head, f, ws, wo);
-        __m256i c[8];
-        load_codes<T::kCodes>(blk, h, c);
-        block_dots<T, MR>(c, ws, wo, A, m0, k + 32 * b, acc);
-      }
-    }
-    for (int j = 0; j < MR; ++j) {
-      const int64_t at = (m0 + j) * ldo + n0 + kHalfRows * h;
-      if (out_f32) {
-        _mm256_storeu_ps(static_cast<float*>(out) + at, acc[j]);
-      } else {
-        alignas(32) float v[kHalfRows];
-        _mm256_store_ps(v, acc[j]);
-        for (int i = 0; i < kHalfRows; ++i) static_cast<uint16_t*>(out)[at + i] = f32_to_bf16(v[i]);
-      }
-    }
+  if constexpr (MR == 1) {
+    halves<T, 1, 2>(g, A, m0, 0, out, out_f32, ldo, n0, prefetch);
+  } else {  // the second half finds the group's lines cached
+    halves<T, MR, 1>(g, A, m0, 0, out, out_f32, ldo, n0, prefetch);
+    halves<T, MR, 1>(g, A, m0, 1, out, out_f32, ldo, n0, false);
   }
 }
 #else
