@@ -17,6 +17,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+swiglu.kernel_form = (0, 0.0, 0.0)  # what csrc/moe.cpp calls it: (kind, limit, alpha)
+
+
 def geglu_tanh(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
@@ -27,6 +30,7 @@ def clamped_swiglu(limit: float, alpha: float) -> Glu:
     def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=limit)
         return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+    glu.kernel_form = (1, float(limit), float(alpha))
     return glu
 
 

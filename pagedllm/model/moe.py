@@ -6,15 +6,23 @@ The rows of a step are grouped by expert (a stable counting sort of the (token, 
 expert multiplies its weights once for all of its tokens and an expert nobody chose costs nothing. Every token's
 result depends on its own row alone: its routing is row-local, each expert's GEMM computes a row the same way
 whatever else is in it (the kernels' invariant mode), and the k weighted outputs are summed in slot order.
+
+Where every expert keeps its two matrices in GGUF blocks (one type per kind) and the C++ kernels run, the same
+steps run as one C++ call (csrc/moe.cpp, in fp32: the same rules, so the same invariance): a Python call per
+expert and matrix cost a 2-core CPU more than the experts' bytes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from pagedllm.kernels import kernel_op
 from pagedllm.model.linear import Linear, LinearMethod
 from pagedllm.model.mlp import GatedMLP, Glu, swiglu
+from pagedllm.quantization.tensor import QuantTensor
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +50,46 @@ def group_by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[int, 
     return groups
 
 
+@dataclass
+class ExpertTable:
+    """The experts as csrc/moe.cpp takes them: the data pointers of their stored matrices (`matrices` keeps the
+    tensors, so that the pointers stay valid), one ggml type per kind, biases stacked [E, n] in fp32."""
+
+    matrices: list[torch.Tensor]
+    gate_up: torch.Tensor  # int64 [E]
+    down: torch.Tensor  # int64 [E]
+    gate_up_qtype: int
+    down_qtype: int
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    glu: tuple[int, float, float]
+
+
+def expert_table(experts: nn.ModuleList, glu: Glu) -> ExpertTable | None:
+    """The table of `experts` where each keeps gate|up and down as one block matrix each, of one type per kind
+    across the experts, and the glu has a kernel form; else None (the Python form runs)."""
+    form = getattr(glu, "kernel_form", None)
+    kinds: dict[str, list[QuantTensor]] = {"gate_up": [], "down": []}
+    for mlp in experts:
+        for kind, found in kinds.items():
+            segments = getattr(getattr(mlp, kind), "segments", None)
+            if not segments or len(segments) != 1 or not isinstance(segments[0], QuantTensor):
+                return None
+            found.append(segments[0])
+    if form is None or any(len({(m.qtype, tuple(m.shape)) for m in found}) != 1 for found in kinds.values()):
+        return None
+
+    def biases(kind: str) -> torch.Tensor | None:
+        b = [getattr(mlp, kind).bias for mlp in experts]
+        return None if b[0] is None else torch.stack([x.detach().float() for x in b]).contiguous()
+
+    gate_up, down = kinds["gate_up"], kinds["down"]
+    return ExpertTable([m.data for m in gate_up + down],
+                       torch.tensor([m.data.data_ptr() for m in gate_up], dtype=torch.int64),
+                       torch.tensor([m.data.data_ptr() for m in down], dtype=torch.int64),
+                       gate_up[0].qtype, down[0].qtype, biases("gate_up"), biases("down"), form)
+
+
 class SparseMoE(nn.Module):
     """router: Linear(H, E); experts: E gated MLPs of width `intermediate` (bias: on the router and the experts)."""
 
@@ -52,9 +100,19 @@ class SparseMoE(nn.Module):
         self.router = Linear(hidden, num_experts, bias, dtype, method)
         self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, dtype, method, glu, bias)
                                      for _ in range(num_experts))
+        self.intermediate, self.glu = intermediate, glu
+        self._table: ExpertTable | None | bool = False  # False: not built yet (the weights load after __init__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.top_k, self.renormalize)
+        op = kernel_op("moe_experts")
+        if op is not None:
+            if self._table is False:
+                self._table = expert_table(self.experts, self.glu)
+            t = self._table
+            if t is not None:
+                return op(x.contiguous(), experts.contiguous(), weights.contiguous(), t.gate_up, t.down,
+                          t.gate_up_qtype, t.down_qtype, self.intermediate, t.gate_up_bias, t.down_bias, *t.glu)
         k = self.top_k
         w = weights.reshape(-1, 1).to(x.dtype)
         if x.shape[0] == 1:  # one token (a lone decode step): its k experts in slot order, nothing to group

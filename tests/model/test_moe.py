@@ -257,3 +257,65 @@ def test_moe_files_are_typed_as_llama_quantize_types_them():
     assert tensor_type("Q4_K_M", "ffn_down_exps", 0, 48, 768, experts=128) == "Q6_K"  # a more-bits layer
     assert tensor_type("Q4_K_M", "ffn_down_exps", 7, 48, 768, experts=128) == "Q4_K"
     assert tensor_type("Q4_K_M", "attn_v", 7, 32, 4096, experts=8) == "Q8_0"  # llama-quantize's 8-expert rule
+
+
+# ---- the C++ form (csrc/moe.cpp) against the Python one ----------------------------------------------------------
+
+def _quantized_moe(gate_up_type: str, down_type: str, glu, bias: bool, seed: int, E: int = 6, k: int = 3,
+                   H: int = 256, intermediate: int = 256, dtype: torch.dtype = torch.float32) -> SparseMoE:
+    """A SparseMoE whose experts hold random GGUF blocks of the given types, as a GGUF file loads them."""
+    from pagedllm.model.quantized_linear import QuantizedLinearMethod
+    from pagedllm.quantization.tensor import QuantTensor, type_id
+    from pagedllm.testing.gguf_writer import quantized
+
+    rng = np.random.default_rng(seed)
+    method = QuantizedLinearMethod()
+    moe = SparseMoE(H, intermediate, E, k, renormalize=True, dtype=dtype, method=method, glu=glu, bias=bias)
+
+    def blocks(rows: int, cols: int, qtype: str) -> QuantTensor:
+        return QuantTensor(torch.from_numpy(quantized(rng, rows, cols, qtype, 0.5).view(np.uint8).reshape(rows, -1)),
+                           type_id(qtype), cols)
+
+    moe.router.load_weight("weight", torch.from_numpy(rng.standard_normal((E, H), dtype=np.float32)).to(dtype), None,
+                           "router")
+    moe.router.method.process_weights_after_loading(moe.router)
+    for e, mlp in enumerate(moe.experts):
+        for shard in (0, 1):
+            mlp.gate_up.load_weight("weight", blocks(intermediate, H, gate_up_type), shard, f"gate_up.{e}")
+        mlp.down.load_weight("weight", blocks(H, intermediate, down_type), None, f"down.{e}")
+        for lin in (mlp.gate_up, mlp.down):
+            lin.method.process_weights_after_loading(lin)
+            if bias:
+                with torch.no_grad():
+                    lin.bias.copy_(torch.from_numpy(rng.standard_normal(lin.output_size, dtype=np.float32)) * 0.1)
+    return moe
+
+
+@pytest.mark.parametrize("types,gpt_oss", [(("Q4_K", "Q6_K"), False), (("Q8_0", "Q4_0"), False),
+                                            (("MXFP4", "MXFP4"), True)])
+def test_experts_in_one_call_match_the_python_form_and_are_batch_invariant(types, gpt_oss):
+    """The C++ MoE (every expert's blocks in one call) against the Python form of the same steps on random GGUF
+    experts (Qwen3-MoE's types; gpt-oss's MXFP4 with biases and the clamped SwiGLU): close (both quantize the
+    activations to int8; the two SwiGLUs round differently), and a token's row bitwise the same alone, in a batch,
+    in another order."""
+    from pagedllm.model.mlp import clamped_swiglu, swiglu
+
+    glu = clamped_swiglu(7.0, 1.702) if gpt_oss else swiglu
+    moe = _quantized_moe(*types, glu, bias=gpt_oss, seed=3)
+    moe_bf16 = _quantized_moe(*types, glu, bias=gpt_oss, seed=3, dtype=torch.bfloat16)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), kernel_mode(invariant=True):
+        batched = moe(x)
+        assert moe._table is not None, "the experts' blocks should run in one call"
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(len(x))])
+        reordered = moe(x.flip(0)).flip(0)
+        xb = x.bfloat16()  # a bf16 model (where the CPU has avx512_bf16): fp32 inside, rounded once
+        assert torch.equal(moe_bf16(xb), torch.cat([moe_bf16(xb[i:i + 1]) for i in range(len(xb))]))
+        assert moe_bf16._table is not None
+        moe._table = None  # the Python form
+        python = moe(x)
+        python_alone = torch.cat([moe(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(batched, alone) and torch.equal(batched, reordered)
+    assert torch.equal(python, python_alone)
+    err = (batched - python).norm(dim=-1) / python.norm(dim=-1)
+    assert err.max().item() < 1e-3, err.tolist()
