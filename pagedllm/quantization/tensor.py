@@ -42,17 +42,19 @@ def bytes_view(blob: np.ndarray, offset: int, rows: int, nbytes_per_row: int) ->
 
 @dataclass
 class QuantTensor:
-    """rows x cols weights in ggml type `qtype`; data is uint8 [rows, row_bytes]."""
+    """rows x cols weights in ggml type `qtype`; data is uint8 [rows, row_bytes] (a packed table may hold a few
+    zero rows more: `num_rows`, its own count, where its vocabulary is not whole 16-row groups)."""
 
     data: torch.Tensor
     qtype: int
     cols: int
     # for a view of a memory-mapped file: drops the view's pages from the process once a packed copy exists
     release_source: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    num_rows: int | None = None  # where data holds zero rows past the matrix's own (packed(): whole 16-row groups)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.data.shape[0], self.cols)
+        return (self.data.shape[0] if self.num_rows is None else self.num_rows, self.cols)
 
     @property
     def is_packed(self) -> bool:
@@ -125,11 +127,29 @@ class QuantTensor:
 
     def packed(self) -> QuantTensor:
         """This matrix in the kernel's 16-row interleaved form (an owned copy), where its type and shape have
-        one; otherwise itself. The packed form is what runs fast at every batch size."""
-        return pack_stacked([self]) if self.packable else self
+        one; otherwise itself. The packed form is what runs fast at every batch size. A table whose rows are not
+        whole groups (Granite's 49,159-token vocabulary, a tied head) is packed with zero rows added (a zero
+        block is zero weights in every type): the head's GEMV at the packed kernel's speed, not the row kernel's."""
+        if self.packable:
+            return pack_stacked([self])
+        pad = -self.shape[0] % 16
+        if self.is_packed or not pad or not runs_as_stored(self.qtype, self.cols) or not kernel_available():
+            return self
+        padded = QuantTensor(torch.cat([self.data, self.data.new_zeros(pad, self.data.shape[1])]), self.qtype,
+                             self.cols)
+        if self.release_source is not None:
+            self.release_source()
+        out = pack_stacked([padded])
+        out.num_rows = self.shape[0]
+        return out
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, cols] (bf16 or fp32) @ W^T -> [M, rows] of x's dtype (or into out, which may be a column slice)."""
+        n = self.shape[0]
+        if n != self.data.shape[0]:  # computed whole, the padding's columns dropped
+            full = torch.empty(x.shape[0], self.data.shape[0], dtype=x.dtype)
+            required_op("quant_gemm")(full, x.contiguous(), self.data, self.qtype)
+            return full[:, :n] if out is None else out.copy_(full[:, :n])
         if out is None:
             out = torch.empty(x.shape[0], self.data.shape[0], dtype=x.dtype)
         required_op("quant_gemm")(out, x.contiguous(), self.data, self.qtype)

@@ -151,12 +151,24 @@ def test_stacked_packing_is_the_parts_packed_one_after_another(qtype):
         pack_stacked([parts[0], _weight("Q8_0" if qtype != "Q8_0" else "Q4_0", 16, k, seed=9)])
 
 
-def test_only_whole_groups_are_packed():
-    """A matrix whose rows do not fill 16-row groups stays as stored."""
-    assert not _weight("Q4_0", 40, 256, seed=6).packed().is_packed
-    assert not _weight("Q6_K", 40, 256, seed=6).packed().is_packed
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K", "MXFP4"])
+def test_a_table_of_partial_groups_packs_with_zero_rows(qtype):
+    """A matrix whose rows do not fill 16-row groups (Granite's 49,159-token vocabulary as a tied head) packs with
+    zero rows added: its shape, its products (into a new tensor or a given one) and its rows are the matrix's."""
+    k = _cols(qtype)
+    plain = _weight(qtype, 40, k, seed=6)
+    packed = plain.packed()
+    assert packed.is_packed and packed.shape == (40, k) and packed.data.shape[0] == 48
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(fresh_seed()))
+    got = packed.matmul(x)
+    ref = _quantized_activations(x) @ plain.dequantize().double().T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    out = torch.empty(3, 40)
+    assert packed.matmul(x, out) is out and torch.equal(out, got)
+    ids = torch.tensor([0, 17, 39])
+    assert torch.equal(packed.embedding(ids, torch.float32), plain.embedding(ids, torch.float32))
     with pytest.raises(ValueError, match="packed"):
-        _weight("Q4_0", 32, 256, seed=6, packed=True).rows(torch.tensor([1]))
+        packed.rows(torch.tensor([1]))
 
 
 def _mxfp4_every_scale(rows: int, cols: int, seed: int, top: int) -> QuantTensor:
