@@ -135,11 +135,12 @@ class QuantTensor:
         pad = -self.shape[0] % 16
         if self.is_packed or not pad or not runs_as_stored(self.qtype, self.cols) or not kernel_available():
             return self
-        padded = QuantTensor(torch.cat([self.data, self.data.new_zeros(pad, self.data.shape[1])]), self.qtype,
-                             self.cols)
-        if self.release_source is not None:
+        whole = self.shape[0] - (16 - pad)  # the rows of whole groups, packed straight from the file's pages
+        tail = torch.cat([self.data[whole:], self.data.new_zeros(pad, self.data.shape[1])])
+        parts = [QuantTensor(self.data[:whole], self.qtype, self.cols, self.release_source)] if whole else []
+        out = pack_stacked(parts + [QuantTensor(tail, self.qtype, self.cols)])  # (which releases the file's pages)
+        if not whole and self.release_source is not None:
             self.release_source()
-        out = pack_stacked([padded])
         out.num_rows = self.shape[0]
         return out
 
