@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -57,9 +58,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at:
                   down_ptrs.numel() == E, "moe_experts: one gate_up and one down pointer per expert");
   TORCH_CHECK(pagedllm::quant_row_bytes(gate_up_qtype, H) > 0 && pagedllm::quant_row_bytes(down_qtype, I) > 0,
               "moe_experts: unsupported expert types ", gate_up_qtype, ", ", down_qtype);
-  for (const auto* b : {&gate_up_bias, &down_bias})
-    TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous() &&
-                                    (*b)->size(0) == E), "moe_experts: biases must be contiguous fp32 [E, n]");
+  for (const auto& [b, n] : {std::pair{&gate_up_bias, 2 * I}, std::pair{&down_bias, H}})
+    TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous() && (*b)->dim() == 2 &&
+                                    (*b)->size(0) == E && (*b)->size(1) == n),
+                "moe_experts: biases must be contiguous fp32 [E, 2I] (gate_up) and [E, H] (down)");
   const float* gub = gate_up_bias ? gate_up_bias->data_ptr<float>() : nullptr;
   const float* db = down_bias ? down_bias->data_ptr<float>() : nullptr;
   const int64_t* ex = experts.data_ptr<int64_t>();
