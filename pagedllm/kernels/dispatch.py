@@ -25,7 +25,8 @@ import torch
 from pagedllm.kernels.library import load_ops
 
 # Capabilities (keys of capabilities()): instruction sets the build was compiled for (1 or 0) and sizes.
-AVX512 = "avx512"            # the fp32 vector paths and the fused fp32 layer
+AVX512 = "avx512"            # the fp32 vector paths
+FUSED_LAYER = "fused_layer"  # the fused fp32 decoder layer (AVX-512, or AVX2 + FMA)
 AVX512_BF16 = "avx512_bf16"  # the bf16 small GEMM, the fused bf16 layer, the bf16 attention paths
 VNNI = "vnni"                # int8 dot products: the quantized GEMMs' fast paths, int8-KV attention on integers
 INT8_GEMM = "int8_gemm"      # the packed quantized GEMM in vector code: VNNI, or AVX2's vpmaddubsw without it
@@ -34,7 +35,7 @@ INT8_GEMM = "int8_gemm"      # the packed quantized GEMM in vector code: VNNI, o
 # everywhere: each has a portable form).
 OP_NEEDS: dict[str, str] = {
     "small_gemm_bf16": AVX512_BF16,
-    "DecoderStack": AVX512,  # its bf16 form needs AVX512_BF16 too: fused_layer.fuses_layers checks
+    "DecoderStack": FUSED_LAYER,  # its bf16 form needs AVX512_BF16 too: fused_layer.fuses_layers checks
 }
 
 

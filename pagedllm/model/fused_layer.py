@@ -15,6 +15,7 @@ from pagedllm.model import registry
 from pagedllm.model.config import ModelConfig
 from pagedllm.model.kv_cache import KVCache, KVCacheList
 from pagedllm.model.linear import Linear
+from pagedllm.model.moe import SparseMoE
 
 
 def can_fuse(cfg: ModelConfig, linears: Iterable[Linear]) -> bool:
@@ -38,16 +39,27 @@ def fuses_layers(model, h: torch.Tensor, kv_caches: list[KVCache]) -> bool:
     In batch-invariant mode its GEMMs are the torch layers' invariant ones (dense: gemm_invariant; quantized: the
     quantized GEMM, invariant in every mode), so it is as invariant as they are.
     Always: the model allows it (`model.fused_layers`, can_fuse), the attention backend is the C++ kernel on its
-    vector paths, and the caches are views of one KV pool of the compute dtype (the stack writes K/V itself, and
-    takes the pool whole: kv_cache.allocate_kv_caches)."""
+    vector paths, the caches are views of one KV pool of the compute dtype (the stack writes K/V itself, and
+    takes the pool whole: kv_cache.allocate_kv_caches), and every mixture of experts has its kernel form."""
     mode = dispatch.current_mode()
     if not (dispatch.kernel_class("DecoderStack") is not None and model.fused_layers and model._fused_capable
             and h.shape[0] > 0 and kv_caches and hasattr(kv_caches, "pool") and kv_caches[0][0].dtype == h.dtype
-            and not mode.portable and getattr(model.attn_backend, "runs_fused_layers", False)):
+            and not mode.portable and getattr(model.attn_backend, "runs_fused_layers", False)
+            and _experts_have_tables(model)):
         return False
     if h.dtype == torch.bfloat16:
         return dispatch.has(dispatch.AVX512_BF16)
     return h.dtype == torch.float32 and any(lin.method.segmented for lin in model.layers[0].linears())
+
+
+def _experts_have_tables(model) -> bool:
+    """Every mixture of experts keeps its experts in the form csrc/moe.cpp runs (asked once: the tables are built
+    at the first forward, after the weights loaded)."""
+    found = getattr(model, "_experts_fuse", None)
+    if found is None:
+        found = model._experts_fuse = all(layer.mlp.table() is not None for layer in model.layers
+                                          if isinstance(layer.mlp, SparseMoE))
+    return found
 
 
 def run_fused_layers(model, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
@@ -74,10 +86,13 @@ def _bound_stack(model):
     stack = getattr(model, "_decoder_stack", None)
     if stack is None:
         cfg, attn = model.config, model.layers[0].attn
+        inter = cfg.intermediate_size or cfg.moe_intermediate_size  # (the dense layers' width; experts bring theirs)
         stack = dispatch.kernel_class("DecoderStack")(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                      cfg.intermediate_size, cfg.rms_norm_eps, attn.scale,
-                                                      model.norm.weight, model.FUSED_STYLE, cfg.residual_multiplier)
+                                                      inter, cfg.rms_norm_eps, attn.scale, model.norm.weight,
+                                                      model.FUSED_STYLE, cfg.residual_multiplier)
         for layer in model.layers:
             stack.add_layer(*layer.fused_weights())
+            if isinstance(layer.mlp, SparseMoE):
+                stack.add_experts(*layer.mlp.fused_experts())
         model._decoder_stack = stack
     return stack

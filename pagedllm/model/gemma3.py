@@ -65,7 +65,7 @@ class Gemma3DecoderLayer(nn.Module):
         w = {lin: lin.method.fused_segments(lin) for lin in self.linears()}
         return (self.input_norm.weight, *w[a.qkv], None, a.q_norm.weight, a.k_norm.weight, *w[a.o], None,
                 self.pre_mlp_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down], a.window or 0,
-                self.post_attn_norm.weight, self.post_mlp_norm.weight)
+                self.post_attn_norm.weight, self.post_mlp_norm.weight, None)
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -45,16 +45,20 @@ class DecoderLayer(nn.Module):
         return h + (mlp * self.residual_multiplier if self.residual_multiplier != 1.0 else mlp)
 
     def linears(self) -> tuple[Linear, ...]:
-        return self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down
+        """The layer's own linears (of a mixture of experts: the router; its experts are in its table)."""
+        mlp = self.mlp
+        return (self.attn.qkv, self.attn.o, *((mlp.router,) if isinstance(mlp, SparseMoE) else (mlp.gate_up, mlp.down)))
 
     def fused_weights(self) -> tuple:
         """The layer's arguments to DecoderStack.add_layer (csrc/decoder_layer.cpp), in its order: each linear as
-        (segment tensors, ggml types; 0 for a dense matrix)."""
+        (segment tensors, ggml types; 0 for a dense matrix). A mixture of experts gives no gate_up and down: its
+        experts follow (SparseMoE.fused_experts)."""
         a = self.attn
         q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if a.cfg.qk_norm else (None, None)
         w = {lin: lin.method.fused_segments(lin) for lin in self.linears()}
+        mlp = ([], [], [], []) if isinstance(self.mlp, SparseMoE) else (*w[self.mlp.gate_up], *w[self.mlp.down])
         return (self.input_norm.weight, *w[a.qkv], a.qkv.bias, q_norm, k_norm, *w[a.o], a.o.bias,
-                self.post_norm.weight, *w[self.mlp.gate_up], *w[self.mlp.down], a.window or 0, None, None)
+                self.post_norm.weight, *mlp, a.window or 0, None, None, a.sinks)
 
 
 class LlamaForCausalLM(CausalLM):

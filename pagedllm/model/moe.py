@@ -103,16 +103,28 @@ class SparseMoE(nn.Module):
         self.intermediate, self.glu = intermediate, glu
         self._table: ExpertTable | None | bool = False  # False: not built yet (the weights load after __init__)
 
+    def table(self) -> ExpertTable | None:
+        """The experts' table for csrc/moe.cpp (built at the first call, once the weights are loaded), or None
+        where they have no kernel form."""
+        if self._table is False:
+            self._table = expert_table(self.experts, self.glu)
+        return self._table
+
+    def fused_experts(self) -> tuple:
+        """The arguments to DecoderStack.add_experts (csrc/decoder_layer.cpp), in its order; only where table()
+        is not None."""
+        t = self.table()
+        assert t is not None, "experts without a kernel form run in torch"
+        return (*self.router.method.fused_segments(self.router), self.router.bias, t.gate_up, t.down,
+                t.gate_up_qtype, t.down_qtype, self.intermediate, t.gate_up_bias, t.down_bias, *t.glu, self.top_k,
+                self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.top_k, self.renormalize)
         op = kernel_op("moe_experts")
-        if op is not None:
-            if self._table is False:
-                self._table = expert_table(self.experts, self.glu)
-            t = self._table
-            if t is not None:
-                return op(x.contiguous(), experts.contiguous(), weights.contiguous(), t.gate_up, t.down,
-                          t.gate_up_qtype, t.down_qtype, self.intermediate, t.gate_up_bias, t.down_bias, *t.glu)
+        if op is not None and (t := self.table()) is not None:
+            return op(x.contiguous(), experts.contiguous(), weights.contiguous(), t.gate_up, t.down,
+                      t.gate_up_qtype, t.down_qtype, self.intermediate, t.gate_up_bias, t.down_bias, *t.glu)
         k = self.top_k
         w = weights.reshape(-1, 1).to(x.dtype)
         if x.shape[0] == 1:  # one token (a lone decode step): its k experts in slot order, nothing to group

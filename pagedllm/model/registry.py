@@ -29,7 +29,7 @@ ATTENTION_SINKS, MOE_BIAS, CLAMPED_SWIGLU = "attention_sinks", "moe_bias", "clam
 # (Partial rotary and NoPE layers are in the rotary tables and the Q/K row order, which the stack takes as given;
 # of Granite's multipliers the stack takes the residual one and the attention scale, the model the other two.)
 FUSED_LAYER_FEATURES = frozenset({QKV_BIAS, O_BIAS, QK_NORM, TIED_EMBEDDINGS, ROPE_SCALING, SLIDING_WINDOW,
-                                  PARTIAL_ROTARY, NOPE, MULTIPLIERS})
+                                  PARTIAL_ROTARY, NOPE, MULTIPLIERS, MOE, ATTENTION_SINKS, MOE_BIAS, CLAMPED_SWIGLU})
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ _PHI3_HF, _PHI3_GGUF = weight_names.by_format(weight_names.PHI3)
 _MOE_HF, _MOE_GGUF = weight_names.by_format(weight_names.LLAMA_MOE)
 _MIXTRAL_HF, _ = weight_names.by_format(weight_names.MIXTRAL)
 _GPT_OSS_HF, _GPT_OSS_GGUF = weight_names.by_format(weight_names.GPT_OSS)
-# the llama family's layer with its MLP a mixture of experts (the torch layers: the fused C++ layer has no experts)
-_MOE_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", gguf_names=_MOE_GGUF,
+# the llama family's layer with its MLP a mixture of experts (fused where every expert table has a kernel form:
+# fused_layer.fuses_layers)
+_MOE_FAMILY = dict(model_class="pagedllm.model.llama:LlamaForCausalLM", gguf_names=_MOE_GGUF, fused_layer=True,
                    supports=_LLAMA_FAMILY["supports"] | {MOE})
 
 ARCHITECTURES: dict[str, ArchSpec] = {spec.name: spec for spec in (

@@ -11,7 +11,8 @@ namespace {
 
 c10::Dict<std::string, int64_t> capabilities() {
   c10::Dict<std::string, int64_t> caps;
-  caps.insert("avx512", PL_AVX512);            // fp32 vector paths, the fused fp32 layer
+  caps.insert("avx512", PL_AVX512);            // fp32 vector paths
+  caps.insert("fused_layer", PL_AVX512 || PL_AVX2);  // the fused fp32 decoder layer (decoder_layer.cpp)
   caps.insert("avx512_bf16", PL_AVX512_BF16);  // the bf16 small GEMM, fused bf16 layer and bf16 attention paths
   caps.insert("vnni", PL_VNNI);                // int8 dot products: quantized GEMMs, int8-KV attention
   caps.insert("int8_gemm", PL_VNNI || PL_INT8_AVX2);  // the packed quantized GEMM's products in vector code

@@ -125,6 +125,30 @@ inline __m512 reduce16(const __m512* v) {
 }
 #endif
 
+#if PL_AVX2
+// The sum of 8 lanes (halves, then pairs, then the last two).
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) in 8 lanes, as exp_ps above with 2^n built in the exponent bits: x is clamped to [-87, 88] (the normal
+// floats' range), so a result below 1.6e-38 or above 1.6e38 is that bound, not 0 or inf (silu and gelu then
+// divide by it or add it to 1: a difference below 1e-36).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 y = _mm256_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+#endif
+
 // f(b, e) over [0, n) across torch's threads: each thread owns an equal share, works through it from the front
 // in chunks of min_chunk, and then takes half of what is left of another thread's share from its back. A static
 // split alone left one thread waiting at every region's end for the other, whose share of the memory bandwidth
@@ -183,6 +207,13 @@ struct KernelMode {
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                      at::Tensor seq_lens, at::Tensor query_start_loc, double scale, bool portable, bool invariant,
                      int64_t min_items, int64_t window, const std::optional<at::Tensor>& sinks);
+
+// moe.cpp: a token's routing (route_row) and a step's experts (the moe_experts op; the fused layer calls both).
+void route_row(const float* logits, int64_t E, int64_t k, bool renormalize, int64_t* experts, float* weights);
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                       const at::Tensor& gate_up_ptrs, const at::Tensor& down_ptrs, int64_t gate_up_qtype,
+                       int64_t down_qtype, int64_t intermediate, const std::optional<at::Tensor>& gate_up_bias,
+                       const std::optional<at::Tensor>& down_bias, int64_t glu_kind, double limit, double alpha);
 
 // Up to this many rows a bf16 linear runs on the small GEMM (bandwidth-bound: each weight row streamed once for
 // all rows), beyond on oneDNN. Python reads it through the small_gemm_max_rows op.

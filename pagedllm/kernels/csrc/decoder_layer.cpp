@@ -33,44 +33,93 @@ namespace {
 // kLlama: norms y = w * T(x / rms(x)), SwiGLU; kGemma: norms y = T(x / rms(x) * (1 + w)), GeGLU (gelu tanh).
 enum Style : int64_t { kLlama = 0, kGemma = 1 };
 
-#if PL_AVX512
+// The fp32 layer runs where the build has AVX-512 (16 lanes) or AVX2 + FMA (8 lanes); the bf16 one with
+// avx512_bf16. The pointwise stages below are written once over Vec, Mask and the few operations they use.
+#define PL_FUSED_LAYER (PL_AVX512 || PL_AVX2)
+
 using Bf16 = uint16_t;
-constexpr int64_t kRowsPerTask = 16;  // rows per parallel task of the pointwise stages
-
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
-}
-
-// load / store / round_as (what storing in T and loading back gives), overloaded on the element type
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline __m512 round_as(const float*, __m512 v) { return v; }
-#if PL_AVX512_BF16
-inline __m512 load(const Bf16* p, __mmask16 m) { return pagedllm::widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
-
-inline void store(Bf16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-
-inline __m512 round_as(const Bf16*, __m512 v) {
-  return pagedllm::widen_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-#endif
 
 template <typename T>
 T* data(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+#if PL_FUSED_LAYER
+constexpr int64_t kRowsPerTask = 16;  // rows per parallel task of the pointwise stages
+
+#if PL_AVX512
+using Vec = __m512;
+using Mask = __mmask16;
+constexpr int64_t kLanes = 16;
+
+inline Mask tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+inline Vec set1(float f) { return _mm512_set1_ps(f); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec negate(Vec a) { return _mm512_xor_ps(a, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN))); }
+inline float sum_lanes(Vec a) { return _mm512_reduce_add_ps(a); }
+
+// load / store / round_as (what storing in T and loading back gives), overloaded on the element type
+inline Vec load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline void store(float* p, Vec v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+#if PL_AVX512_BF16
+inline Vec load(const Bf16* p, Mask m) { return pagedllm::widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+
+inline void store(Bf16* p, Vec v, Mask m) {
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+inline Vec round_as(const Bf16*, Vec v) { return pagedllm::widen_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))); }
+#endif
+#else  // AVX2 + FMA: fp32 only
+using Vec = __m256;
+struct Mask {
+  __m256i lanes;  // lanes < remaining have their top bit set
+  bool full;      // all 8: plain loads and stores (the masked ones are slow on some cores)
+};
+constexpr int64_t kLanes = 8;
+
+inline Mask tail_mask(int64_t remaining) {
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(remaining, 8));
+  return {_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), n == 8};
+}
+
+inline Vec set1(float f) { return _mm256_set1_ps(f); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec negate(Vec a) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+inline float sum_lanes(Vec a) { return pagedllm::sum8(a); }
+
+inline Vec load(const float* p, Mask m) { return m.full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m.lanes); }
+
+inline void store(float* p, Vec v, Mask m) {
+  if (m.full) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    _mm256_maskstore_ps(p, m.lanes, v);
+  }
+}
+#endif
+inline Vec round_as(const float*, Vec v) { return v; }
+
 // rsqrt(mean(x^2) + eps) over n elements, in fp32, in every lane.
 template <typename T>
-__m512 inv_rms(const T* x, int64_t n, float eps) {
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = load(x + i, tail_mask(n - i));
-    sum = _mm512_fmadd_ps(v, v, sum);
+Vec inv_rms(const T* x, int64_t n, float eps) {
+  Vec sum = set1(0.f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Vec v = load(x + i, tail_mask(n - i));
+    sum = fmadd(v, v, sum);
   }
-  return _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(sum) / static_cast<float>(n) + eps));
+  return set1(1.f / std::sqrt(sum_lanes(sum) / static_cast<float>(n) + eps));
 }
 
 // Llama's RMSNorm: y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in fp32, as transformers computes it. Gemma's
@@ -78,12 +127,11 @@ __m512 inv_rms(const T* x, int64_t n, float eps) {
 // y may alias x.
 template <typename T>
 void rms_norm(Style style, const T* x, const T* w, T* y, int64_t n, float eps) {
-  const __m512 r = inv_rms(x, n, eps), one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 xr = _mm512_mul_ps(load(x + i, m), r);
-    store(y + i, style == kGemma ? _mm512_mul_ps(xr, _mm512_add_ps(one, load(w + i, m)))
-                                 : _mm512_mul_ps(load(w + i, m), round_as(y, xr)), m);
+  const Vec r = inv_rms(x, n, eps), one = set1(1.f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    const Vec xr = mul(load(x + i, m), r);
+    store(y + i, style == kGemma ? mul(xr, add(one, load(w + i, m))) : mul(load(w + i, m), round_as(y, xr)), m);
   }
 }
 
@@ -91,14 +139,11 @@ void rms_norm(Style style, const T* x, const T* w, T* y, int64_t n, float eps) {
 template <typename T>
 void rope(T* x, const T* cos, const T* sin, int64_t d) {
   const int64_t half = d / 2;
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
-  for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = tail_mask(half - i);
-    const __m512 a = load(x + i, m), b = load(x + half + i, m);
-    const __m512 lo = _mm512_add_ps(round_as(x, _mm512_mul_ps(a, load(cos + i, m))),
-                                    round_as(x, _mm512_mul_ps(_mm512_xor_ps(b, sign), load(sin + i, m))));
-    const __m512 hi = _mm512_add_ps(round_as(x, _mm512_mul_ps(b, load(cos + half + i, m))),
-                                    round_as(x, _mm512_mul_ps(a, load(sin + half + i, m))));
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const Mask m = tail_mask(half - i);
+    const Vec a = load(x + i, m), b = load(x + half + i, m);
+    const Vec lo = add(round_as(x, mul(a, load(cos + i, m))), round_as(x, mul(negate(b), load(sin + i, m))));
+    const Vec hi = add(round_as(x, mul(b, load(cos + half + i, m))), round_as(x, mul(a, load(sin + half + i, m))));
     store(x + i, lo, m);
     store(x + half + i, hi, m);
   }
@@ -108,23 +153,23 @@ void rope(T* x, const T* cos, const T* sin, int64_t d) {
 // torch layers round it)
 template <typename T>
 void add_into(T* x, const T* b, int64_t n, float scale = 1.f) {
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 bv = scale == 1.f ? load(b + i, m) : round_as(x, _mm512_mul_ps(load(b + i, m), s));
-    store(x + i, _mm512_add_ps(load(x + i, m), bv), m);
+  const Vec s = set1(scale);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    const Vec bv = scale == 1.f ? load(b + i, m) : round_as(x, mul(load(b + i, m), s));
+    store(x + i, add(load(x + i, m), bv), m);
   }
 }
 
 // out[i] = T(silu(g[i])) * u[i], rounded: F.silu(gate) * up on tensors of T.
 template <typename T>
 void silu_mul(const T* g, const T* u, T* out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 gv = load(g + i, m);
-    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, pagedllm::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    store(out + i, _mm512_mul_ps(round_as(out, silu), load(u + i, m)), m);
+  const Vec one = set1(1.f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    const Vec gv = load(g + i, m);
+    const Vec silu = div(gv, add(one, pagedllm::exp_ps(negate(gv))));
+    store(out + i, mul(round_as(out, silu), load(u + i, m)), m);
   }
 }
 
@@ -132,14 +177,13 @@ void silu_mul(const T* g, const T* u, T* out, int64_t n) {
 // x = 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)), y = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation for x << 0.
 template <typename T>
 void gelu_tanh_mul(const T* g, const T* u, T* out, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.f), minus_2beta = _mm512_set1_ps(-2.f * 0.7978845608028654f);
-  const __m512 kappa = _mm512_set1_ps(0.044715f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 x = load(g + i, m);
-    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, x), _mm512_mul_ps(x, x), x);  // x + kappa x^3
-    const __m512 gelu = _mm512_div_ps(x, _mm512_add_ps(one, pagedllm::exp_ps(_mm512_mul_ps(minus_2beta, inner))));
-    store(out + i, _mm512_mul_ps(round_as(out, gelu), load(u + i, m)), m);
+  const Vec one = set1(1.f), minus_2beta = set1(-2.f * 0.7978845608028654f), kappa = set1(0.044715f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    const Vec x = load(g + i, m);
+    const Vec inner = fmadd(mul(kappa, x), mul(x, x), x);  // x + kappa x^3
+    const Vec gelu = div(x, add(one, pagedllm::exp_ps(mul(minus_2beta, inner))));
+    store(out + i, mul(round_as(out, gelu), load(u + i, m)), m);
   }
 }
 
@@ -176,7 +220,7 @@ void check_linear(const LinearWeight& w, int64_t rows, int64_t cols, at::ScalarT
   }
 }
 
-#if PL_AVX512
+#if PL_FUSED_LAYER
 // out = x @ w^T (+ bias) like the model's linear(). In batch-invariant mode the fixed-order GEMM (the bias added
 // after). Else bf16: the bandwidth-bound small GEMM for a few rows (the bias added to the rounded product),
 // oneDNN's matmul beyond (the bias added before rounding, as F.linear does); fp32: oneDNN.
@@ -238,20 +282,40 @@ void check_weight(const at::Tensor& w, int64_t rows, int64_t cols, at::ScalarTyp
               "decoder_layer: ", name, " has the wrong shape");
 }
 
-// Which decoder_layer<T> this build has: the fp32 one with AVX-512, the bf16 one with avx512_bf16 too.
-bool has_layer(at::ScalarType dtype) { return dtype == at::kFloat ? PL_AVX512 : dtype == at::kBFloat16 && PL_AVX512_BF16; }
+// Which decoder_layer<T> this build has: the fp32 one with AVX-512 or AVX2, the bf16 one with avx512_bf16.
+bool has_layer(at::ScalarType dtype) {
+  return dtype == at::kFloat ? PL_FUSED_LAYER : dtype == at::kBFloat16 && PL_AVX512_BF16;
+}
 
 // A stack of decoder layers whose weights are bound once (DecoderStack.add_layer, at the model's first fused
 // forward): a step calls DecoderStack.forward once for all layers with only activations, caches and metadata.
 // Passing each layer's arguments through the dispatcher, after the layer before had streamed its weights through
 // the caches, cost a large share of a small model's decode step (BENCHMARKS.md, issue 29).
 // post_norm is the norm before the MLP; attn_out_norm and mlp_out_norm (Gemma) normalise the attention's and the
-// MLP's outputs before their residual adds. window: the layer's sliding window in keys (0: none).
+// MLP's outputs before their residual adds. window: the layer's sliding window in keys (0: none); sinks: one
+// logit per query head (gpt-oss). The MLP is gate_up and down, or a mixture of experts (DecoderStack.add_experts).
+//
+// A mixture of experts: the router's logits (a linear to E, with its bias), each token's top_k experts
+// (route_row), and the experts in one moe_experts call (moe.cpp) with the table model/moe.py builds: their
+// stored matrices' data pointers (the model holds the tensors), one ggml type per kind, fp32 biases [E, n], the
+// glu's kind, limit and alpha.
+struct Experts {
+  LinearWeight router;
+  std::optional<at::Tensor> router_b, gate_up_b, down_b;
+  at::Tensor gate_up_ptrs, down_ptrs;
+  int64_t gate_up_qtype, down_qtype, inter, top_k;
+  bool renormalize;
+  int64_t glu;
+  double limit, alpha;
+};
+
 struct LayerWeights {
   at::Tensor input_norm, post_norm;
   LinearWeight qkv, o, gate_up, down;
   std::optional<at::Tensor> qkv_b, o_b, q_norm, k_norm, attn_out_norm, mlp_out_norm;
   int64_t window = 0;
+  std::optional<at::Tensor> sinks;
+  std::optional<Experts> experts;
 };
 
 struct DecoderStack : torch::CustomClassHolder {
@@ -280,11 +344,13 @@ struct DecoderStack : torch::CustomClassHolder {
                  std::vector<at::Tensor> o_segs, std::vector<int64_t> o_types, std::optional<at::Tensor> o_b,
                  at::Tensor post_norm, std::vector<at::Tensor> gate_up_segs, std::vector<int64_t> gate_up_types,
                  std::vector<at::Tensor> down_segs, std::vector<int64_t> down_types, int64_t window,
-                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm) {
+                 std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm,
+                 std::optional<at::Tensor> sinks) {
     const at::ScalarType dt = final_norm.scalar_type();  // every weight is of the stack's dtype
     const int64_t H = hidden, d = head_dim, q_size = num_heads * d, qkv_size = q_size + 2 * num_kv_heads * d;
     LayerWeights w{input_norm, post_norm, {qkv_segs, qkv_types}, {o_segs, o_types}, {gate_up_segs, gate_up_types},
-                   {down_segs, down_types}, qkv_b, o_b, q_norm, k_norm, attn_out_norm, mlp_out_norm, window};
+                   {down_segs, down_types}, qkv_b, o_b, q_norm, k_norm, attn_out_norm, mlp_out_norm, window, sinks,
+                   std::nullopt};
     TORCH_CHECK(window >= 0, "DecoderStack: window must be >= 0 (0: none), got ", window);
     TORCH_CHECK(w.attn_out_norm.has_value() == w.mlp_out_norm.has_value() &&
                     w.attn_out_norm.has_value() == (style == kGemma),
@@ -297,8 +363,13 @@ struct DecoderStack : torch::CustomClassHolder {
     check_weight(w.post_norm, H, 0, dt, "post_norm");
     check_linear(w.qkv, qkv_size, H, dt, "qkv");
     check_linear(w.o, H, q_size, dt, "o");
-    check_linear(w.gate_up, 2 * inter, H, dt, "gate_up");
-    check_linear(w.down, H, inter, dt, "down");
+    if (!w.gate_up.segs.empty() || !w.down.segs.empty()) {  // else experts come (add_experts)
+      check_linear(w.gate_up, 2 * inter, H, dt, "gate_up");
+      check_linear(w.down, H, inter, dt, "down");
+    }
+    TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                           sinks->size(0) == num_heads),
+                "DecoderStack: sinks must be contiguous fp32 [", num_heads, "]");
     if (w.qkv_b) check_weight(*w.qkv_b, qkv_size, 0, dt, "qkv_bias");
     if (w.o_b) check_weight(*w.o_b, H, 0, dt, "o_bias");
     TORCH_CHECK(w.q_norm.has_value() == w.k_norm.has_value(), "DecoderStack: q_norm and k_norm go together");
@@ -306,10 +377,33 @@ struct DecoderStack : torch::CustomClassHolder {
     layers.push_back(std::move(w));
   }
 
+  // The last added layer's MLP as a mixture of experts (its add_layer gave no gate_up and down); the table's
+  // arguments as moe_experts takes them, which checks them again at every call.
+  void add_experts(std::vector<at::Tensor> router_segs, std::vector<int64_t> router_types,
+                   std::optional<at::Tensor> router_b, at::Tensor gate_up_ptrs, at::Tensor down_ptrs,
+                   int64_t gate_up_qtype, int64_t down_qtype, int64_t expert_inter, std::optional<at::Tensor> gate_up_b,
+                   std::optional<at::Tensor> down_b, int64_t glu, double limit, double alpha, int64_t top_k,
+                   bool renormalize) {
+    TORCH_CHECK(!layers.empty() && layers.back().gate_up.segs.empty() && !layers.back().experts,
+                "DecoderStack.add_experts: the last layer must be added without its MLP");
+    const at::ScalarType dt = final_norm.scalar_type();
+    const int64_t E = gate_up_ptrs.numel();
+    Experts x{{router_segs, router_types}, router_b, gate_up_b, down_b, gate_up_ptrs, down_ptrs, gate_up_qtype,
+              down_qtype, expert_inter, top_k, renormalize, glu, limit, alpha};
+    TORCH_CHECK(gate_up_ptrs.scalar_type() == at::kLong && down_ptrs.scalar_type() == at::kLong &&
+                    gate_up_ptrs.is_contiguous() && down_ptrs.is_contiguous() && down_ptrs.numel() == E && E > 0,
+                "DecoderStack.add_experts: one int64 gate_up and down pointer per expert");
+    TORCH_CHECK(top_k > 0 && top_k <= E && expert_inter > 0, "DecoderStack.add_experts: top_k ", top_k, " of ", E,
+                " experts of width ", expert_inter);
+    check_linear(x.router, E, hidden, dt, "router");
+    if (router_b) check_weight(*router_b, E, 0, dt, "router_bias");
+    layers.back().experts = std::move(x);
+  }
+
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-#if PL_AVX512
+#if PL_FUSED_LAYER
 // The per-step buffers of one call, shared by its layers.
 struct Scratch {
   at::Tensor x, qkv, attn, proj, gate_up, act;
@@ -321,6 +415,32 @@ struct Scratch {
         gate_up(at::empty({M, 2 * s.inter}, o)),
         act(at::empty({M, s.inter}, o)) {}
 };
+
+// h += experts(x), x [M, H] the MLP's normed input: the router's logits, each row's experts (in fp32, as
+// model/moe.py routes), the experts in one call.
+template <typename T>
+void experts_block(const DecoderStack& s, const Experts& e, at::Tensor& h, const at::Tensor& x, bool invariant) {
+  const int64_t M = h.size(0), H = s.hidden, E = e.gate_up_ptrs.numel(), k = e.top_k;
+  at::Tensor logits = at::empty({M, E}, h.options());
+  linear<T>(x, e.router, e.router_b, logits, invariant);
+  at::Tensor experts = at::empty({M, k}, at::kLong), weights = at::empty({M, k}, at::kFloat);
+  for_rows(M, [&](int64_t m) {
+    const T* row = data<T>(logits) + m * E;
+    std::vector<float> f(E);
+    if constexpr (std::is_same_v<T, Bf16>) {
+      for (int64_t i = 0; i < E; ++i) f[i] = pagedllm::bf16_to_f32(row[i]);
+    } else {
+      std::copy_n(row, E, f.data());
+    }
+    pagedllm::route_row(f.data(), E, k, e.renormalize, experts.data_ptr<int64_t>() + m * k,
+                        weights.data_ptr<float>() + m * k);
+  });
+  const at::Tensor y = pagedllm::moe_experts(x, experts, weights, e.gate_up_ptrs, e.down_ptrs, e.gate_up_qtype,
+                                             e.down_qtype, e.inter, e.gate_up_b, e.down_b, e.glu, e.limit, e.alpha);
+  T* hp = data<T>(h);
+  const float residual = static_cast<float>(s.residual_scale);
+  for_rows(M, [&](int64_t m) { add_into(hp + m * H, data<T>(y) + m * H, H, residual); });
+}
 
 // h [M, H] is updated in place: h += attn(norm(h)); h += mlp(norm(h)). The new K/V are written into the caches
 // at slots before attention reads them. invariant: batch-invariant GEMMs and attention (KernelMode).
@@ -356,7 +476,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
   });
   const at::Tensor q = buf.qkv.as_strided({M, num_heads, d}, {qkv_size, d, 1});  // read in place
   pagedllm::paged_attention(buf.attn, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s.scale,
-                            /*portable=*/false, invariant, 0, w.window, std::nullopt);
+                            /*portable=*/false, invariant, 0, w.window, w.sinks);
   linear<T>(buf.attn.view({M, q_size}), w.o, w.o_b, buf.proj, invariant);
   for_rows(M, [&](int64_t m) {  // h += (the norm of) o; then the MLP's norm of the new h
     if (w.attn_out_norm) norm(projp + m * H, *w.attn_out_norm, projp + m * H, H);
@@ -364,6 +484,7 @@ void decoder_layer(const DecoderStack& s, const LayerWeights& w, at::Tensor& h, 
     norm(hp + m * H, w.post_norm, xp + m * H, H);
   });
 
+  if (w.experts) return experts_block<T>(s, *w.experts, h, buf.x, invariant);
   // MLP block: down(act(gate) * up), gate and up fused in one weight.
   linear<T>(buf.x, w.gate_up, std::nullopt, buf.gate_up, invariant);
   for_rows(M, [&](int64_t m) {
@@ -409,9 +530,12 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
   TORCH_CHECK(pool_rows.scalar_type() == at::kLong && pool_rows.is_contiguous() && pool_rows.numel() == s.size(),
               "DecoderStack.forward: pool_rows must be contiguous int64 with one row per layer (", s.size(), ")");
   const int64_t* rows = pool_rows.data_ptr<int64_t>();
-  for (int64_t i = first; i < first + count; ++i)
+  for (int64_t i = first; i < first + count; ++i) {
     TORCH_CHECK(rows[i] >= 0 && rows[i] < kv_pool.size(0), "DecoderStack.forward: layer ", i, "'s pool row ",
                 rows[i], " out of range");
+    TORCH_CHECK(!s.layers[i].gate_up.segs.empty() || s.layers[i].experts, "DecoderStack.forward: layer ", i,
+                " has no MLP (its experts were never added)");
+  }
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == M,
               "DecoderStack.forward: slot_mapping must be contiguous int64 [tokens]");
@@ -419,7 +543,7 @@ void stack_forward(const c10::intrusive_ptr<DecoderStack>& stack, at::Tensor h, 
   const int64_t num_slots = kv_pool.size(2) * kv_pool.size(3);
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slots[m] >= 0 && slots[m] < num_slots, "DecoderStack.forward: slot ", slots[m], " out of range");
-#if PL_AVX512
+#if PL_FUSED_LAYER
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     Scratch buf(s, M, h.options());
@@ -448,6 +572,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("add_experts", &DecoderStack::add_experts)
       .def("__len__", &DecoderStack::size)
       .def("forward", &stack_forward);  // a method, not an op: an op taking the class checks every argument in Python
 }

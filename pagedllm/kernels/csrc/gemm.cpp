@@ -69,14 +69,11 @@ inline void tile(const float* const* xr, const float* wr, int64_t kp, float* sum
   }
   _mm512_storeu_ps(sums, pagedllm::reduce16(acc));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif PL_AVX2
 // The same scheme on AVX2: an element's 16 lanes are two ymm accumulators (lanes 0-7, 8-15), one FMA per lane in
 // increasing k, then the plain tree below (l += l + 8, + 4, + 2, + 1) in vector form.
 inline float reduce16_avx2(__m256 lo, __m256 hi) {
-  const __m256 h8 = _mm256_add_ps(lo, hi);
-  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  return pagedllm::sum8(_mm256_add_ps(lo, hi));
 }
 
 template <int R>

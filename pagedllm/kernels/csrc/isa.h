@@ -18,6 +18,12 @@
 #else
 #define PL_VNNI 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PL_AVX2 1  // 8-lane fp32 vectors with FMA (every AVX-512 build too): the fused fp32 layer without AVX-512
+#else
+#define PL_AVX2 0
+#endif
 #if !PL_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PL_INT8_AVX2 1  // vpmaddubsw + vpmaddwd: the packed quantized GEMM's int8 dot products without VNNI

@@ -42,6 +42,29 @@ inline float glu(int64_t kind, float g, float u, float limit, float alpha) {
   return g / (1.f + std::exp(-g)) * u;
 }
 
+}  // namespace
+
+namespace pagedllm {
+
+// Router logits of one token (E of them) -> its k experts and their weights, as model/moe.py's route: softmax
+// over all experts in fp32, the k most probable (on a tie the lower expert id first), renormalised to sum to 1
+// when asked. Row-local: the same for a token in every batch.
+void route_row(const float* logits, int64_t E, int64_t k, bool renormalize, int64_t* experts, float* weights) {
+  float top = logits[0];
+  for (int64_t e = 1; e < E; ++e) top = std::max(top, logits[e]);
+  std::vector<float> p(E);
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - top));
+  std::vector<int64_t> ids(E);
+  for (int64_t e = 0; e < E; ++e) ids[e] = e;
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  float chosen = 0.f;
+  for (int64_t j = 0; j < k; ++j) chosen += (weights[j] = p[ids[j]] / sum), experts[j] = ids[j];
+  if (renormalize)
+    for (int64_t j = 0; j < k; ++j) weights[j] /= chosen;
+}
+
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                        const at::Tensor& gate_up_ptrs, const at::Tensor& down_ptrs, int64_t gate_up_qtype,
                        int64_t down_qtype, int64_t intermediate, const std::optional<at::Tensor>& gate_up_bias,
@@ -152,6 +175,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at:
   return out;
 }
 
-}  // namespace
+}  // namespace pagedllm
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("moe_experts", &moe_experts); }
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("moe_experts", &pagedllm::moe_experts); }
