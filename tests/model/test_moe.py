@@ -306,12 +306,14 @@ def test_experts_in_one_call_match_the_python_form_and_are_batch_invariant(types
     glu = clamped_swiglu(7.0, 1.702) if gpt_oss else swiglu
     moe = _quantized_moe(*types, glu, bias=gpt_oss, seed=3)
     moe_bf16 = _quantized_moe(*types, glu, bias=gpt_oss, seed=3, dtype=torch.bfloat16)
-    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(4))
+    # 30 rows: ~15 per expert (one expert after another); 4 rows: a few (side by side, csrc/moe.cpp); 1 row
+    x = torch.randn(30, 256, generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), kernel_mode(invariant=True):
         batched = moe(x)
         assert moe._table is not None, "the experts' blocks should run in one call"
         alone = torch.cat([moe(x[i:i + 1]) for i in range(len(x))])
         reordered = moe(x.flip(0)).flip(0)
+        assert torch.equal(torch.cat([moe(x[i:i + 4]) for i in range(0, len(x), 4)]), batched)
         xb = x.bfloat16()  # a bf16 model (where the CPU has avx512_bf16): fp32 inside, rounded once
         assert torch.equal(moe_bf16(xb), torch.cat([moe_bf16(xb[i:i + 1]) for i in range(len(xb))]))
         assert moe_bf16._table is not None

@@ -31,6 +31,10 @@ namespace {
 
 enum Glu : int64_t { kSwiGlu = 0, kClampedSwiGlu = 1 };
 
+// Up to this many rows for the busiest expert, a step's experts run side by side (one per thread at a time);
+// beyond, one after another, each GEMM across the threads.
+constexpr int64_t kSideBySideRows = 8;
+
 // h[i] from gate g and up u: SwiGLU silu(g) * u; gpt-oss's clamped form (g clamped above at limit, u to
 // [-limit, limit], the gate's sigmoid sharpened by alpha, 1 added to u).
 inline float glu(int64_t kind, float g, float u, float limit, float alpha) {
@@ -138,16 +142,19 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at:
   std::vector<int64_t> chosen;  // an expert no token chose costs nothing
   for (int64_t e = 0; e < E; ++e)
     if (count[e + 1] > count[e]) chosen.push_back(e);
-  if (most == 1) {
-    // One row per expert (a decode step's token): the experts side by side, one per thread at a time, in one
-    // parallel region (each GEMM alone would be its own region, a small matrix split across the threads).
-    const int64_t G = static_cast<int64_t>(chosen.size());
-    std::vector<char> xs(G * H * xsz);
-    std::vector<float> gu(G * 2 * I), h(G * I), y(G * H);
-    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g)
-        run(chosen[g], 1, order.data() + count[chosen[g]], xs.data() + g * H * xsz, gu.data() + g * 2 * I,
-            h.data() + g * I, y.data() + g * H);
+  if (most <= kSideBySideRows) {
+    // Few rows per expert (decode steps, a lone one or a batch): the experts side by side, each on one thread at
+    // a time, in one balanced parallel region (each GEMM alone would be its own region, a small matrix split
+    // across the threads). Expert e's buffers are rows count[e].. of buffers for all T * k rows.
+    const int64_t G = static_cast<int64_t>(chosen.size()), rows = T * k;
+    std::vector<char> xs(rows * H * xsz);
+    std::vector<float> gu(rows * 2 * I), h(rows * I), y(rows * H);
+    pagedllm::parallel_balanced(G, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t e = chosen[g], r = count[e];
+        run(e, count[e + 1] - r, order.data() + r, xs.data() + r * H * xsz, gu.data() + r * 2 * I, h.data() + r * I,
+            y.data() + r * H);
+      }
     });
   } else {
     std::vector<char> xs(most * H * xsz);
