@@ -58,7 +58,6 @@ inline Mask tail_mask(int64_t remaining) {
 
 inline Vec set1(float f) { return _mm512_set1_ps(f); }
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -92,7 +91,6 @@ inline Mask tail_mask(int64_t remaining) {
 
 inline Vec set1(float f) { return _mm256_set1_ps(f); }
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -426,14 +424,15 @@ void experts_block(const DecoderStack& s, const Experts& e, at::Tensor& h, const
   at::Tensor experts = at::empty({M, k}, at::kLong), weights = at::empty({M, k}, at::kFloat);
   for_rows(M, [&](int64_t m) {
     const T* row = data<T>(logits) + m * E;
-    std::vector<float> f(E);
-    if constexpr (std::is_same_v<T, Bf16>) {
+    int64_t* chosen = experts.data_ptr<int64_t>() + m * k;
+    float* weight = weights.data_ptr<float>() + m * k;
+    if constexpr (std::is_same_v<T, Bf16>) {  // widened, as model/moe.py routes logits.float()
+      std::vector<float> f(E);
       for (int64_t i = 0; i < E; ++i) f[i] = pagedllm::bf16_to_f32(row[i]);
+      pagedllm::route_row(f.data(), E, k, e.renormalize, chosen, weight);
     } else {
-      std::copy_n(row, E, f.data());
+      pagedllm::route_row(row, E, k, e.renormalize, chosen, weight);
     }
-    pagedllm::route_row(f.data(), E, k, e.renormalize, experts.data_ptr<int64_t>() + m * k,
-                        weights.data_ptr<float>() + m * k);
   });
   const at::Tensor y = pagedllm::moe_experts(x, experts, weights, e.gate_up_ptrs, e.down_ptrs, e.gate_up_qtype,
                                              e.down_qtype, e.inter, e.gate_up_b, e.down_b, e.glu, e.limit, e.alpha);
