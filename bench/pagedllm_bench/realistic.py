@@ -35,9 +35,12 @@ from collections.abc import Iterator
 from functools import partial
 
 from pagedllm.dtypes import auto_dtype
+from pagedllm.kernels.variants import MATRIX_ENGINE_ENV
 from pagedllm_bench import common
 
-SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"}, "llama.cpp": {}}
+# pagedllm-vnni: the same as pagedllm with the packed GEMM kept off AMX ($PAGEDLLM_MATRIX_ENGINE=0), on CPUs with it
+SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"},
+           "pagedllm-vnni": {"quantization": "auto", "env": {MATRIX_ENGINE_ENV: "0"}}, "llama.cpp": {}}
 CONTEXT = 2048  # tokens of KV cache for the single-stream process (llama.cpp's n_ctx, pagedllm's blocks)
 LONG_PROMPT = 1536  # the prompt of the decode-deep-in-the-context figure
 
@@ -240,7 +243,8 @@ def _subprocess(phase: str, system: str, model: str, wl_path: str, threads: int,
         out = f.name
     cmd = [sys.executable, "-m", "pagedllm_bench", "realistic", "--worker", phase, "--system", system,
            "--model", model, "--workload", wl_path, "--out", out, "--threads", str(threads), "--dtype", dtype]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **SYSTEMS.get(system, {}).get("env", {})}
+    subprocess.run(cmd, check=True, env=env)
     with open(out, encoding="utf-8") as f:
         res = json.load(f)
     os.unlink(out)
@@ -260,7 +264,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="tinyllama-1.1b")
     p.add_argument("--type", default="Q4_0")
     p.add_argument("--layers", type=int, default=None, help="the shape with fewer layers (same widths)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
+    p.add_argument("--systems", default="pagedllm,pagedllm-dequant,llama.cpp",
+                   help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--phases", default="single,offline",
                    help="single (load, decode, prefill, long context), offline (32 concurrent), or decode (load "
                         "and decode alone)")
@@ -340,7 +345,7 @@ def _medians(rounds: list[list[dict]]) -> list[dict]:
 def _ratios(rows: list[dict]) -> list[dict]:
     by = {r["system"]: r for r in rows}
     out = []
-    for base in ("llama.cpp", "pagedllm-dequant"):
+    for base in ("llama.cpp", "pagedllm-dequant", "pagedllm-vnni"):
         if "pagedllm" not in by or base not in by:
             continue
         ours, ref = by["pagedllm"], by[base]

@@ -30,6 +30,7 @@ FUSED_LAYER = "fused_layer"  # the fused fp32 decoder layer (AVX-512, or AVX2 + 
 AVX512_BF16 = "avx512_bf16"  # the bf16 small GEMM, the fused bf16 layer, the bf16 attention paths
 VNNI = "vnni"                # int8 dot products: the quantized GEMMs' fast paths, int8-KV attention on integers
 INT8_GEMM = "int8_gemm"      # the packed quantized GEMM in vector code: VNNI, or AVX2's vpmaddubsw without it
+AMX = "amx"                  # the packed GEMM's AMX tiles: this CPU and OS allow them, not only the build
 
 # Ops and classes that exist in every build but run only where the build has a capability (the others run
 # everywhere: each has a portable form).
@@ -98,6 +99,17 @@ def kernel_op(name: str) -> Any:
     """The extension's op `name`, or None where the extension is not built, lacks what the op needs, or the
     forward's mode runs no C++ kernel (KernelMode.cpu_kernels)."""
     return _op(name) if _mode.get().cpu_kernels else None
+
+
+@contextmanager
+def matrix_engine(on: bool) -> Iterator[None]:
+    """Whether the packed quantized GEMM may use the CPU's matrix engine (AMX) inside the block, for benches and
+    tests that compare it with the VNNI path (the same bits: csrc/quant_packed.cpp). Process-wide, not per thread."""
+    was = bool(load_ops().set_matrix_engine(on))
+    try:
+        yield
+    finally:
+        load_ops().set_matrix_engine(was)
 
 
 def kernel_class(name: str) -> Any:

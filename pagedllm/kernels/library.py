@@ -24,6 +24,7 @@ from pagedllm.kernels.variants import (
     BUILD_ENV,
     INSTALL_VARIANTS_ENV,
     LIBRARY_PREFIX,
+    MATRIX_ENGINE_ENV,
     VARIANT_ENV,
     build_variant,
     library_stem,
@@ -95,6 +96,8 @@ def load_ops():
             library = library_for(variant)
             torch.ops.load_library(str(library))
             _ops = torch.ops.pagedllm_cpu
+            if os.environ.get(MATRIX_ENGINE_ENV) == "0":
+                _ops.set_matrix_engine(False)
             logger.info("C++ kernels loaded (%s, %s)", variant, library)
             return _ops
         except Exception as e:  # not built, stale, a first-use build that failed, a library that does not load

@@ -15,16 +15,21 @@ CSRC = Path(__file__).parent / "csrc"
 LIBRARY_PREFIX = "_pagedllm_cpu_"  # the built extensions: pagedllm/kernels/_pagedllm_cpu_*.<suffix> (library_stem)
 VARIANT_ENV = "PAGEDLLM_KERNEL_VARIANT"  # run time: force a lesser variant (how avx2 and portable are tested)
 INSTALL_VARIANTS_ENV = "PAGEDLLM_KERNEL_VARIANTS"  # install time: which variants to build ("all" or a list)
+MATRIX_ENGINE_ENV = "PAGEDLLM_MATRIX_ENGINE"  # run time: 0 keeps the packed GEMM off AMX (the same bits, VNNI alone)
 BUILD_ENV = "PAGEDLLM_BUILD_KERNELS"  # run time: build a missing or stale variant at first use (first_use_build.py)
 
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 _AVX512_ISA = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+# The VNNI builds also carry the packed GEMM's AMX tile path (quant_packed.cpp), which runs only where the CPU has
+# AMX and the kernel grants the tile state (checked at run time): the compiler never emits AMX code on its own, so
+# the flags do not narrow which CPUs run the build.
+_AMX_ISA = ["-mamx-tile", "-mamx-int8"]
 # Build variants, best first: (name, CPU flags it needs, compiler flags). Each later one is a subset of the earlier.
 VARIANTS: list[tuple[str, tuple[str, ...], list[str]]] = [
     ("avx512bf16vnni", ("fma", *_AVX512_FLAGS, "avx512_bf16", "avx512_vnni"),
-     [*_AVX512_ISA, "-mavx512bf16", "-mavx512vnni"]),
+     [*_AVX512_ISA, "-mavx512bf16", "-mavx512vnni", *_AMX_ISA]),
     ("avx512bf16", ("fma", *_AVX512_FLAGS, "avx512_bf16"), [*_AVX512_ISA, "-mavx512bf16"]),
-    ("avx512vnni", ("fma", *_AVX512_FLAGS, "avx512_vnni"), [*_AVX512_ISA, "-mavx512vnni"]),  # quant GEMMs' vpdpbusd
+    ("avx512vnni", ("fma", *_AVX512_FLAGS, "avx512_vnni"), [*_AVX512_ISA, "-mavx512vnni", *_AMX_ISA]),  # quant GEMMs' vpdpbusd
     ("avx512", ("fma", *_AVX512_FLAGS), _AVX512_ISA),
     # the packed quantized GEMM's vpmaddubsw path (F16C: its fp16 scales; every AVX2 CPU has it), elsewhere the
     # portable code auto-vectorised

@@ -131,7 +131,8 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, long: bool, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.inv_freq.device  # (a buffer: it follows the model to its device)
-        cos, sin = self._tables.get(long, (torch.empty(0), torch.empty(0)))
+        none = torch.empty(0, 2 * self.inv_freq.shape[-1], device=device)  # a step with no token gathers none
+        cos, sin = self._tables.get(long, (none, none))
         if needed > cos.shape[0] or cos.device != device:
             size = -(-needed // self.TABLE_STEP) * self.TABLE_STEP
             inv_freq = (self.long_inv_freq if long else self.inv_freq).to(device)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_models import fresh_seed
 
-from pagedllm.kernels.dispatch import kernel_op
+from pagedllm.kernels.dispatch import AMX, has, kernel_op, matrix_engine
 from pagedllm.kernels.variants import VARIANT_ENV, build_variant, cpu_flags
 from pagedllm.quantization.tensor import QuantTensor, kernel_available, pack_stacked, type_id
 from pagedllm.quantization.types import BY_NAME, KERNEL_TYPES
@@ -107,6 +107,26 @@ def test_rows_past_the_row_chunk_are_batch_invariant(qtype):
     full = w.matmul(x)
     for i in (0, 127, 128, 135, 136, 140):
         assert torch.equal(w.matmul(x[i:i + 1].contiguous())[0], full[i])
+
+
+@pytest.mark.skipif(not kernel_available() or not has(AMX), reason="needs a CPU with AMX (and the OS's tile state)")
+@pytest.mark.parametrize("qtype", PACKED)
+def test_the_matrix_engine_computes_the_vnni_paths_bits(qtype):
+    """On a CPU with AMX the packed GEMM runs whole 16-row tiles on the tile unit (tdpbssd) and the rest on VNNI:
+    the tile sums are the same integers and their scaling the same float steps, so every row equals the VNNI
+    path's and the row computed alone, bitwise, across chunk boundaries, for bf16 and fp32 activations."""
+    seed = fresh_seed()
+    k = _cols(qtype) * 2
+    w = _weight(qtype, 48, k, seed=seed, packed=True)
+    gen = torch.Generator().manual_seed(seed)
+    for m, dtype in ((16, torch.float32), (47, torch.bfloat16), (150, torch.float32)):
+        x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4).to(dtype)
+        tiles = w.matmul(x)
+        with matrix_engine(False):
+            vnni = w.matmul(x)
+        assert torch.equal(tiles, vnni), f"seed {seed}, {m} rows"
+        for i in sorted({0, 15, min(16, m - 1), m - 1}):
+            assert torch.equal(w.matmul(x[i:i + 1].contiguous())[0], tiles[i]), f"seed {seed}, row {i} of {m}"
 
 
 def test_writes_into_a_column_slice():
@@ -210,12 +230,13 @@ def test_the_portable_build_computes_the_same_bits(tmp_path):
     case, ours = {}, {}
     for i, qtype in enumerate(TYPES):
         w = _weight(qtype, 32, _cols(qtype), seed + i)
-        x = torch.randn(9, w.shape[1], generator=gen)  # 9 rows: one full 8-row tile and a 1-row tail
+        # 25 rows: a 16-row tile (AMX's, where the CPU has it), an 8-row tile and a 1-row tail
+        x = torch.randn(25, w.shape[1], generator=gen)
         case[qtype] = (w.data, w.qtype, w.shape[1], x)
         ours[qtype] = w.packed().matmul(x)
     # MXFP4 scales 2^-128..2^63: the vector paths decode the e8m0 bytes themselves, subnormal ones included
     w = _mxfp4_every_scale(32, _cols("MXFP4"), seed, top=191)
-    x = torch.randn(9, w.shape[1], generator=gen)
+    x = torch.randn(25, w.shape[1], generator=gen)
     case["MXFP4 every scale"] = (w.data, w.qtype, w.shape[1], x)
     ours["MXFP4 every scale"] = w.packed().matmul(x)
     torch.save(case, tmp_path / "case.pt")

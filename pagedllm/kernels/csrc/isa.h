@@ -18,6 +18,11 @@
 #else
 #define PL_VNNI 0
 #endif
+#if PL_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PL_AMX 1  // tdpbsud: the packed quantized GEMM's 16 x 16 tiles, where the CPU and the OS allow (amx_usable)
+#else
+#define PL_AMX 0
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PL_AVX2 1  // 8-lane fp32 vectors with FMA (every AVX-512 build too): the fused fp32 layer without AVX-512

@@ -28,6 +28,8 @@ void quant_gemm_raw(const void* x, bool x_f32, const uint8_t* w, int64_t qtype, 
 
 // quant_packed.cpp: the 16-row interleaved form of every type (N a multiple of 16, K of the type's block).
 bool packable(int64_t base, int64_t N, int64_t K);
+bool amx_usable();  // this build has the AMX path, the CPU has AMX and the OS grants the tile state
+bool set_matrix_engine(bool on);  // whether the packed GEMM may use AMX where usable; returns the previous setting
 int64_t packed_row_bytes(int64_t base, int64_t K);  // 0: not a packable type / K
 void quant_gemm_packed(const void* x, bool x_f32, const uint8_t* w, int64_t base, void* out, bool out_f32,
                        int64_t M, int64_t N, int64_t K, int64_t ldo);

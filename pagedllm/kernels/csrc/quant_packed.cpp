@@ -33,10 +33,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -51,6 +54,19 @@ namespace {
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the dot the weight stream is prefetched
 constexpr int64_t kRowChunk = 128;  // activation rows per pass over the weights (a multiple of the 8-row tile)
+constexpr int64_t kAmxMinRows = 16;  // the AMX path takes whole 16-row tiles (amx_tile below)
+
+std::atomic<bool> matrix_engine_on{true};  // set_matrix_engine: off runs the VNNI path alone (benches, tests)
+
+bool amx_enabled() { return PL_AMX && matrix_engine_on.load(std::memory_order_relaxed) && amx_usable(); }
+
+// Loads this thread's tile configuration for one parallel claim and releases the tile state after it (a thread
+// that keeps tile state makes every context switch save 8 KB more).
+struct AmxScope {
+  AmxScope(bool on, int halves);
+  ~AmxScope();
+  bool on;
+};
 
 // The packed layout of type T (bytes for one unit of a 16-row group).
 template <class T>
@@ -557,6 +573,143 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
   group_tile<T, MR>(g, A, m0, acc, prefetch);
   store_tile<MR>(acc, out, out_f32, ldo, m0, n0);
 }
+
+#if PL_AMX
+// ---- AMX: 16 activation rows x 16 weight rows per tile product ------------------------------------------------
+// The tile unit's tdpbssd gives each 32-block's dots (16 x 16 at once) as exact int32 sums, the same integers as
+// the vpdpbusd chains, and they are scaled by the same float operations in the same order: a row's output is
+// bitwise the VNNI path's, whatever M is. It takes whole 16-row tiles of a chunk; the rest run as before.
+// oneDNN's batch-reduce GEMM (torch's cpublas::brgemm) sums over K in one call, which these formats cannot use: each
+// 32-block has its own weight and activation scales, so the integer sums leave the tiles block by block, and the
+// float work on them (not the tile products) bounds this path.
+constexpr int64_t kTileRows = 16;
+
+// Tiles, one scale per 32 (kHalves 1): sums 0 and 1, activations 2 and 4 (16 rows x 32 bytes), operands 3 and 5
+// (8 quads of 16 columns): two blocks in flight. A scale per 16: sums 0, 1 and 2, 3 (the halves of two blocks),
+// activations 4, 5 (16 x 16 bytes), operands 6, 7 (4 quads).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit TileConfig(int halves) {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+    if (halves == 1) {
+      colsb[2] = colsb[4] = 32, rows[3] = rows[5] = 8;
+    } else {
+      colsb[4] = colsb[5] = 16, rows[6] = rows[7] = 4;
+    }
+  }
+};
+
+// A group's 32-blocks unpacked once per chunk of rows, for all of the chunk's tiles: per block its 8 operand
+// vectors (the tile's quads: vector s lane i = row i's operands of elements 4s..4s+3) less the type's fixed zero
+// (so that the tile's sums are isum - kZero x (codes' sum), the integer the VNNI chains start from; operand - kZero
+// fits a signed byte for every type), and its scales and offsets.
+struct Panel {
+  struct Block {
+    __m512i codes[8];
+    __m512 ws[2], wo[2];
+  };
+  int64_t capacity = 0;
+  std::unique_ptr<Block[]> blocks;  // [K / 32]
+  void reserve(int64_t n) {
+    if (n > capacity) capacity = n, blocks.reset(new Block[n]);
+  }
+};
+
+template <class T>
+void unpack_panel(const uint8_t* g, int64_t K, Panel& panel) {
+  using P = Packed<T>;
+  panel.reserve(K / 32);
+  const __m512i zero = _mm512_set1_epi8(static_cast<char>(T::kZero));
+  for (int64_t k = 0; k < K; k += T::kBlock) {
+    const uint8_t* p = g + k / T::kBlock * P::kUnitBytes;
+    __m512 head[T::kNumHead + 1];
+    for (int f = 0; f < T::kNumHead; ++f) head[f] = field16(T::kHead[f], p + P::head_offset(f));
+    for (int64_t b = 0; b < P::kBlocks; ++b) {
+      const uint8_t* blk = p + P::kHeadBytes + b * P::kBlockBytes;
+      __m512 f[P::kNumPer32 + 1], ws[2], wo[2];
+      for (int i = 0; i < P::kNumPer32; ++i) f[i] = field16(T::kPer32[i], blk + P::per32_offset(i));
+      T::template scales<__m512>(head, f, ws, wo);
+      Panel::Block& out = panel.blocks[k / 32 + b];
+      for (int h = 0; h < T::kHalves; ++h) out.ws[h] = ws[h], out.wo[h] = wo[h];
+      load_codes<T::kCodes>(blk, out.codes);
+      if constexpr (T::kZero != 0)
+        for (int s = 0; s < 8; ++s) out.codes[s] = _mm512_sub_epi8(out.codes[s], zero);
+    }
+  }
+}
+
+// Sums of 16 rows x 16 columns for each block (one scale per 32) or half (a scale per 16), in flight two blocks at
+// a time: block k's products are issued (into tile set `set`, stored to sums[0], and sums[1] for the second half)
+// before block k - 32's are scaled. (Tile numbers are immediates in the instructions, hence one branch per set.)
+template <class T>
+inline void issue_block(const Panel::Block& blk, const int8_t* a, int64_t lda, int set, int32_t (*sums)[256]) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(blk.codes);
+  if constexpr (T::kHalves == 1) {
+    if (set == 0) {
+      _tile_zero(0); _tile_loadd(2, a, lda); _tile_loadd(3, b, 64); _tile_dpbssd(0, 2, 3);
+      _tile_stored(0, sums[0], 64);
+    } else {
+      _tile_zero(1); _tile_loadd(4, a, lda); _tile_loadd(5, b, 64); _tile_dpbssd(1, 4, 5);
+      _tile_stored(1, sums[0], 64);
+    }
+  } else {
+    _tile_loadd(4, a, lda); _tile_loadd(5, a + 16, lda); _tile_loadd(6, b, 64); _tile_loadd(7, b + 256, 64);
+    if (set == 0) {
+      _tile_zero(0); _tile_zero(1); _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 5, 7);
+      _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+    } else {
+      _tile_zero(2); _tile_zero(3); _tile_dpbssd(2, 4, 6); _tile_dpbssd(3, 5, 7);
+      _tile_stored(2, sums[0], 64); _tile_stored(3, sums[1], 64);
+    }
+  }
+}
+
+// Rows m0..m0 + 15 against a group unpacked in `blocks`: acc[j] (row m0 + j) plus each block's sums, scaled as
+// block_dots' many-row paths scale them.
+template <class T>
+void amx_tile(const Panel::Block* blocks, const Acts& A, int64_t m0, void* out, bool out_f32, int64_t ldo,
+              int64_t n0) {
+  alignas(64) int32_t sums[4][kTileRows * kTileRows];
+  int32_t (*set_sums[2])[256] = {sums, sums + T::kHalves};
+  const int64_t K = A.K, row_blocks = K / 32;
+  __m512 acc[kTileRows];
+#pragma GCC unroll 16
+  for (int j = 0; j < kTileRows; ++j) acc[j] = _mm512_setzero_ps();
+  issue_block<T>(blocks[0], A.codes(m0, 0), K, 0, set_sums[0]);
+  for (int64_t i = 0; i < row_blocks; ++i) {
+    const int set = static_cast<int>(i % 2);
+    if (i + 1 < row_blocks) issue_block<T>(blocks[i + 1], A.codes(m0, 32 * (i + 1)), K, 1 - set, set_sums[1 - set]);
+    const int32_t(*s)[256] = set_sums[set];
+    const Panel::Block& blk = blocks[i];
+    const int64_t b0 = A.block(m0, 32 * i);  // row m0 + j's activation block: b0 + j * row_blocks
+#pragma GCC unroll 16
+    for (int j = 0; j < kTileRows; ++j) {
+      const int64_t b = b0 + j * row_blocks;
+      const __m512i s0 = _mm512_load_si512(s[0] + kTileRows * j);
+      if constexpr (T::kHalves == 1) {
+        acc[j] = scale_block<T>(s0, blk.ws[0], blk.wo[0], A, b, acc[j]);
+      } else {
+        const __m512i s1 = _mm512_load_si512(s[1] + kTileRows * j);
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s0), blk.ws[0]);
+        acc[j] = scale_halves<T>(_mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), blk.ws[1], t), blk.wo, A, b, acc[j]);
+      }
+    }
+  }
+  // stored here rather than by store_tile, so that acc's address never escapes: the tile stores clobber memory,
+  // and an escaped acc would be kept there, a store and a reload per row and block
+#pragma GCC unroll 16
+  for (int j = 0; j < kTileRows; ++j) {
+    const int64_t at = (m0 + j) * ldo + n0;
+    if (out_f32)
+      _mm512_storeu_ps(static_cast<float*>(out) + at, acc[j]);
+    else
+      store_bf16(static_cast<uint16_t*>(out) + at, acc[j]);
+  }
+}
+
+#endif
 #elif PL_INT8_AVX2
 // AVX2 without VNNI: the same arithmetic, a group as two halves of 8 rows (one __m256 lane per row), the int8 dot as
 // vpmaddubsw (u8 x s8, adjacent pairs summed to s16) then vpmaddwd (pairs of s16 to s32). The pair sums are exact
@@ -814,11 +967,28 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
 }
 #endif
 
+AmxScope::AmxScope(bool on, int halves) : on(on) {
+#if PL_AMX
+  static const TileConfig configs[2] = {TileConfig(1), TileConfig(2)};
+  if (on) _tile_loadconfig(&configs[halves - 1]);
+#else
+  (void)halves;
+#endif
+}
+
+AmxScope::~AmxScope() {
+#if PL_AMX
+  if (on) _tile_release();
+#endif
+}
+
 template <class T>
 void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, int64_t N, int64_t ldo) {
   const int64_t group_bytes = A.K / T::kBlock * Packed<T>::kUnitBytes;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
+  const bool amx = M >= kAmxMinRows && amx_enabled();
   parallel_balanced(N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
+    const AmxScope tiles(amx, T::kHalves);  // this thread's tile configuration, for this claim
     // The claim's groups against kRowChunk activation rows at a time: a chunk's int8 rows stay in L2 while the
     // claim's groups pass them (a claim of many rows is a group or two, which stays in cache across the chunks).
     // Every output's arithmetic is the same.
@@ -827,6 +997,15 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
       const uint8_t* gw = w + g * group_bytes;
       const int64_t n0 = g * kGroupRows, m_end = std::min(M, mc + kRowChunk);
       int64_t m = mc;
+#if PL_AMX
+      if (amx && m_end - m >= kTileRows) {
+        thread_local Panel panel;
+        unpack_panel<T>(gw, A.K, panel);
+        asm volatile("" ::: "memory");  // the panel's stores land before the tile loads (asm without a memory input)
+        const Panel::Block* blocks = panel.blocks.get();
+        for (; m + kTileRows <= m_end; m += kTileRows) amx_tile<T>(blocks, A, m, out, out_f32, ldo, n0);
+      }
+#endif
       for (; m + 8 <= m_end; m += 8) tile<T, 8>(gw, A, m, out, out_f32, ldo, n0, m == mc);
       switch (m_end - m) {  // the rest in one tile: the group's codes unpacked once (a verification of k drafts: k + 1)
         case 7: tile<T, 7>(gw, A, m, out, out_f32, ldo, n0, m == mc); break;
@@ -842,6 +1021,24 @@ void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, i
 }
 
 }  // namespace
+
+bool amx_usable() {
+#if PL_AMX
+  // CPUID.(7, 0).EDX: AMX-TILE (bit 24) and AMX-INT8 (bit 25); Linux hands a process the 8 KB tile state only when
+  // asked (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), and refuses where the hypervisor hides it.
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+bool set_matrix_engine(bool on) { return matrix_engine_on.exchange(on); }
 
 bool packable(int64_t base, int64_t N, int64_t K) {
   int64_t block = 0;
@@ -965,4 +1162,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("quant_type_table", &quant_type_table);
   m.def("quant_pack", &quant_pack);
   m.def("quant_packed_rows", &quant_packed_rows);
+  // off: the packed GEMM runs its VNNI path alone where it would use AMX (the same bits; benches compare the two)
+  m.def("set_matrix_engine(bool on) -> bool", [](bool on) { return pagedllm::set_matrix_engine(on); });
 }
