@@ -4,7 +4,9 @@
   machine_limits.cpp, split across threads as the GEMMs split their weights), best of several passes. The buffer
   is in huge pages like the packed weights (kernels/csrc/huge_pages.cpp), which read a few % faster here;
 - int8 compute peak: the measured rate of independent AVX-512 VNNI vpdpbusd chains on every thread (2 ops per
-  multiply-add); 0 where the build has no VNNI.
+  multiply-add); 0 where the build has no VNNI;
+- AMX int8 peak, where the CPU has it: independent 16 x 16 x 64 tile products (tdpbssd) on every thread (the packed
+  GEMM's 32-element blocks use half of each product's depth: see BENCHMARKS.md, AMX).
 Decode is measured against the first (weight bytes per token / time) and prefill against the second (`bench
 quant`, `bench realistic` print both columns).
 """
@@ -45,9 +47,17 @@ def limits(threads: int = common.DEFAULT_THREADS, buffer_bytes: int = BUFFER_BYT
             t0 = time.perf_counter()
             n = ops.int8_dot_ops(2_000_000)
             rates.append(n / (time.perf_counter() - t0))
+        out = {"threads": threads, "read_gb_s": buffer_bytes / min(times) / 1e9, "int8_peak_gops": max(rates) / 1e9}
+        if ops.amx_dot_ops(1000):
+            amx = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                n = ops.amx_dot_ops(200_000)
+                amx.append(n / (time.perf_counter() - t0))
+            out["amx_int8_peak_gops"] = max(amx) / 1e9
     finally:
         torch.set_num_threads(old)
-    return {"threads": threads, "read_gb_s": buffer_bytes / min(times) / 1e9, "int8_peak_gops": max(rates) / 1e9}
+    return out
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

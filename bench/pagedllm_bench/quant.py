@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> dict:
         r["decode_of_read_bw"] = r["decode_gb_s"] / lim["read_gb_s"]
         if lim["int8_peak_gops"]:
             r[f"gemm{args.rows}_of_int8_peak"] = r[f"gemm{args.rows}_gops"] / lim["int8_peak_gops"]
+        if lim.get("amx_int8_peak_gops"):
+            r[f"gemm{args.rows}_of_amx_peak"] = r[f"gemm{args.rows}_gops"] / lim["amx_int8_peak_gops"]
         rows.append(r)
         print(r, flush=True)
     title = (f"quantized GEMM, {args.threads} threads: read {lim['read_gb_s']:.1f} GB/s, int8 peak "

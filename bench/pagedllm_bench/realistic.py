@@ -235,6 +235,8 @@ def add_roofline(rows: list[dict], model: str, lim: dict) -> None:
             r["prefill_gop_s"] = r["prefill_tok_s"] * 2 * layer_elements / 1e9
             if lim["int8_peak_gops"]:
                 r["prefill_of_int8_peak"] = r["prefill_gop_s"] / lim["int8_peak_gops"]
+            if lim.get("amx_int8_peak_gops"):
+                r["prefill_of_amx_peak"] = r["prefill_gop_s"] / lim["amx_int8_peak_gops"]
 
 
 # ---- driver ------------------------------------------------------------------------------------------

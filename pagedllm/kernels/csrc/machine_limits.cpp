@@ -2,7 +2,9 @@
 //   read_stream(buf): reads every byte of buf once across torch's threads (static split, as the GEMMs' N split)
 //   and returns a checksum, so the reads cannot be dropped;
 //   int8_dot_ops(iters): each thread runs `iters` rounds of independent vpdpbusd chains (enough to cover the
-//   instruction's latency) and the op returns the int8 operations done (2 per multiply-add); 0 without VNNI.
+//   instruction's latency) and the op returns the int8 operations done (2 per multiply-add); 0 without VNNI;
+//   amx_dot_ops(iters): the same for the AMX tile unit (4 independent 16 x 16 x 64 tdpbssd a round); 0 where it
+//   cannot run (quant_gemm.h's amx_usable).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,6 +15,7 @@
 #include <cstring>
 
 #include "isa.h"
+#include "quant_gemm.h"
 
 namespace {
 
@@ -69,9 +72,40 @@ int64_t int8_dot_ops(int64_t iters) {
 #endif
 }
 
+int64_t amx_dot_ops(int64_t iters) {
+#if PL_AMX
+  if (!pagedllm::amx_usable()) return 0;
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  const int threads = at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) int8_t operands[16 * 64];
+    for (int i = 0; i < 16 * 64; ++i) operands[i] = static_cast<int8_t>(i % 7 - 3);
+    _tile_loadconfig(&config);
+    for (int64_t t = t0; t < t1; ++t) {
+      _tile_loadd(4, operands, 64); _tile_loadd(5, operands, 64); _tile_loadd(6, operands, 64);
+      _tile_loadd(7, operands, 64);
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t i = 0; i < iters; ++i) {
+        _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbssd(2, 5, 6); _tile_dpbssd(3, 5, 7);
+      }
+    }
+    _tile_release();
+  });
+  return static_cast<int64_t>(threads) * iters * 4 * 16 * 16 * 64 * 2;
+#else
+  (void)iters;
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("read_stream", &read_stream);
   m.def("int8_dot_ops", &int8_dot_ops);
+  m.def("amx_dot_ops", &amx_dot_ops);
 }
