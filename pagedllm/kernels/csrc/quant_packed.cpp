@@ -581,7 +581,7 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
 // bitwise the VNNI path's, whatever M is. It takes whole 16-row tiles of a chunk; the rest run as before.
 // oneDNN's batch-reduce GEMM (torch's cpublas::brgemm) sums over K in one call, which these formats cannot use: each
 // 32-block has its own weight and activation scales, so the integer sums leave the tiles block by block, and the
-// float work on them (not the tile products) bounds this path.
+// tile stores and the float work on the sums (not the tile products) bound this path (BENCHMARKS.md, Bounds).
 constexpr int64_t kTileRows = 16;
 
 // Tiles, one scale per 32 (kHalves 1): sums 0 and 1, activations 2 and 4 (16 rows x 32 bytes), operands 3 and 5
