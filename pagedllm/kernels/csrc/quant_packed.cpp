@@ -54,7 +54,7 @@ namespace {
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the dot the weight stream is prefetched
 constexpr int64_t kRowChunk = 128;  // activation rows per pass over the weights (a multiple of the 8-row tile)
-constexpr int64_t kAmxMinRows = 16;  // the AMX path takes whole 16-row tiles (amx_tile below)
+constexpr int64_t kTileRows = 16;  // the AMX path takes whole tiles of 16 activation rows (amx_tile below)
 
 std::atomic<bool> matrix_engine_on{true};  // set_matrix_engine: off runs the VNNI path alone (benches, tests)
 
@@ -582,7 +582,6 @@ void tile(const uint8_t* g, const Acts& A, int64_t m0, void* out, bool out_f32, 
 // oneDNN's batch-reduce GEMM (torch's cpublas::brgemm) sums over K in one call, which these formats cannot use: each
 // 32-block has its own weight and activation scales, so the integer sums leave the tiles block by block, and the
 // tile stores and the float work on the sums (not the tile products) bound this path (BENCHMARKS.md, Bounds).
-constexpr int64_t kTileRows = 16;
 
 // Tiles, one scale per 32 (kHalves 1): sums 0 and 1, activations 2 and 4 (16 rows x 32 bytes), operands 3 and 5
 // (8 quads of 16 columns): two blocks in flight. A scale per 16: sums 0, 1 and 2, 3 (the halves of two blocks),
@@ -986,7 +985,7 @@ template <class T>
 void gemm(const Acts& A, const uint8_t* w, void* out, bool out_f32, int64_t M, int64_t N, int64_t ldo) {
   const int64_t group_bytes = A.K / T::kBlock * Packed<T>::kUnitBytes;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group_bytes * std::min<int64_t>(M, 4)));
-  const bool amx = M >= kAmxMinRows && amx_enabled();
+  const bool amx = M >= kTileRows && amx_enabled();
   parallel_balanced(N / kGroupRows, grain, [&](int64_t g0, int64_t g1) {
     const AmxScope tiles(amx, T::kHalves);  // this thread's tile configuration, for this claim
     // The claim's groups against kRowChunk activation rows at a time: a chunk's int8 rows stay in L2 while the
