@@ -41,23 +41,25 @@ def limits(threads: int = common.DEFAULT_THREADS, buffer_bytes: int = BUFFER_BYT
             ops.read_stream(buf)
             times.append(time.perf_counter() - t0)
         del buf
-        ops.int8_dot_ops(1000)  # warm-up (frequency, thread pool)
-        rates = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            n = ops.int8_dot_ops(2_000_000)
-            rates.append(n / (time.perf_counter() - t0))
-        out = {"threads": threads, "read_gb_s": buffer_bytes / min(times) / 1e9, "int8_peak_gops": max(rates) / 1e9}
-        if ops.amx_dot_ops(1000):
-            amx = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                n = ops.amx_dot_ops(200_000)
-                amx.append(n / (time.perf_counter() - t0))
-            out["amx_int8_peak_gops"] = max(amx) / 1e9
+        out = {"threads": threads, "read_gb_s": buffer_bytes / min(times) / 1e9,
+               "int8_peak_gops": _peak_gops(ops.int8_dot_ops, 2_000_000)}
+        if ops.amx_dot_ops(1):
+            out["amx_int8_peak_gops"] = _peak_gops(ops.amx_dot_ops, 200_000)
     finally:
         torch.set_num_threads(old)
     return out
+
+
+def _peak_gops(dot_ops, iters: int) -> float:
+    """The best of 3 timed runs of a machine_limits op (it returns the int8 operations it did), after a warm-up
+    (frequency, thread pool)."""
+    dot_ops(1000)
+    rates = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        n = dot_ops(iters)
+        rates.append(n / (time.perf_counter() - t0))
+    return max(rates) / 1e9
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

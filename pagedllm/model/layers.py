@@ -131,9 +131,8 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, long: bool, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.inv_freq.device  # (a buffer: it follows the model to its device)
-        none = torch.empty(0, 2 * self.inv_freq.shape[-1], device=device)  # a step with no token gathers none
-        cos, sin = self._tables.get(long, (none, none))
-        if needed > cos.shape[0] or cos.device != device:
+        cached = self._tables.get(long)  # built on first use, even for a step with no token (a [0, D] table)
+        if cached is None or needed > cached[0].shape[0] or cached[0].device != device:
             size = -(-needed // self.TABLE_STEP) * self.TABLE_STEP
             inv_freq = (self.long_inv_freq if long else self.inv_freq).to(device)
             freqs = torch.arange(size, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :].float()
@@ -142,8 +141,8 @@ class RotaryEmbedding(nn.Module):
             if self._scale is not None:
                 scale = self._scale.to(device)
                 cos, sin = cos * scale, sin * scale
-            self._tables[long] = cos, sin
-        return cos, sin
+            self._tables[long] = cached = cos, sin
+        return cached
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype, seq_lens: torch.Tensor | None = None,
                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
