@@ -122,6 +122,29 @@ $(VENV)/bin/llama-server: $(VENV)/.llama-cpp-python
 		$(BENCH_BUILD)/llama-server/bin/llama-tokenize $(VENV)/bin/
 	cp $(BENCH_BUILD)/llama-server/bin/llama-server $@
 
+# ik_llama.cpp, the third peer (issue 59): not on PyPI, so it builds only from sources the user gives
+# (`make bench-setup IK_LLAMA_SRC=path`; a `git archive` of its repository, or a snapshot with placeholders for absent
+# web-UI files). Native, plus each AVX-512 option named (its docs: without them its AVX-512 paths are skipped);
+# GGML_IQK_FA_ALL_QUANTS=OFF halves the build on two cores. Its binaries get an `ik-` prefix next to llama.cpp's,
+# and ik-llama.commit records the commit every figure names.
+IK_LLAMA_SRC ?=
+IK_BUILD := $(BENCH_BUILD)/ik_llama
+IK_ISA = $(shell $(PY) -m pagedllm_bench.llama_build --ik)
+
+ifneq ($(IK_LLAMA_SRC),)
+bench-setup: $(VENV)/bin/ik-llama-server
+endif
+
+$(VENV)/bin/ik-llama-server: install
+	test -f $(IK_LLAMA_SRC)/CMakeLists.txt || (echo "IK_LLAMA_SRC=$(IK_LLAMA_SRC) holds no ik_llama.cpp sources" && false)
+	cmake -S $(IK_LLAMA_SRC) -B $(IK_BUILD) -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_CURL=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF $(IK_ISA)
+	cmake --build $(IK_BUILD) --target llama-server llama-bench llama-perplexity -j $(JOBS)
+	for tool in llama-bench llama-perplexity; do cp $(IK_BUILD)/bin/$$tool $(VENV)/bin/ik-$$tool; done
+	(git -C $(IK_LLAMA_SRC) rev-parse HEAD 2>/dev/null || cat $(IK_LLAMA_SRC)/.commit 2>/dev/null || echo unknown) \
+		> $(VENV)/bin/ik-llama.commit
+	cp $(IK_BUILD)/bin/llama-server $@
+
 lint: install
 	$(VENV)/bin/ruff check pagedllm bench tests
 

@@ -134,22 +134,45 @@ def _git_commit() -> str | None:
         return None
 
 
-def llama_server_binary() -> str | None:
-    """llama-server built by `make bench-setup` (next to the venv's python), else one on PATH."""
-    cand = os.path.join(os.path.dirname(sys.executable), "llama-server")
-    return cand if os.access(cand, os.X_OK) else shutil.which("llama-server")
+@dataclass(frozen=True)
+class LlamaPeer:
+    """A llama.cpp-family engine the benches drive through its own llama-server and tools. `make bench-setup`
+    builds each next to the venv's python, ik_llama.cpp's with an `ik-` prefix (IK_LLAMA_SRC=path)."""
+
+    name: str
+    prefix: str  # of its binaries' names
+    server_args: tuple[str, ...]  # every llama-server run of it passes these
+
+    def tool(self, name: str) -> str | None:
+        """Its `name` binary (llama-server, llama-perplexity, ...): the bench build's, else (llama.cpp) one on PATH."""
+        cand = os.path.join(os.path.dirname(sys.executable), self.prefix + name)
+        if os.access(cand, os.X_OK):
+            return cand
+        return None if self.prefix else shutil.which(name)
+
+    def version(self) -> str | None:
+        """The commit its build recorded, else what its llama-server --version prints."""
+        commit = os.path.join(os.path.dirname(sys.executable), self.prefix + "llama.commit")
+        if os.path.exists(commit):
+            with open(commit, encoding="utf-8") as f:
+                return f.read().strip()
+        exe = self.tool("llama-server")
+        if not exe:
+            return None
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20)
+            text = (out.stdout + out.stderr).strip().splitlines()
+            return next((t for t in text if t.startswith("version")), text[0] if text else None)
+        except (OSError, subprocess.SubprocessError):
+            return None
 
 
-def llama_server_version() -> str | None:
-    exe = llama_server_binary()
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20)
-        text = (out.stdout + out.stderr).strip().splitlines()
-        return next((t for t in text if t.startswith("version")), text[0] if text else None)
-    except (OSError, subprocess.SubprocessError):
-        return None
+LLAMA_CPP = LlamaPeer("llama.cpp", "", ("--no-webui",))
+# ik_llama.cpp with its run-time repack (-rtr: weights re-laid for its GEMMs at load) and without: its best differs
+# by file and phase, so the benches take both (its flash attention and fused MoE are on by default).
+IK_LLAMA = LlamaPeer("ik_llama.cpp", "ik-", ("--webui", "none"))
+IK_LLAMA_RTR = LlamaPeer("ik_llama.cpp-rtr", "ik-", ("--webui", "none", "-rtr"))
+LLAMA_PEERS = {p.name: p for p in (LLAMA_CPP, IK_LLAMA, IK_LLAMA_RTR)}
 
 
 def environment(threads: int = DEFAULT_THREADS) -> dict:
@@ -168,6 +191,7 @@ def environment(threads: int = DEFAULT_THREADS) -> dict:
         "python": platform.python_version(), "git": _git_commit(),
         "versions": {d: _version(d) for d in ("pagedllm", "torch", "transformers", "numpy", "llama_cpp_python",
                                                "matplotlib", "gguf")},
+        "peers": {p.name: p.version() for p in (LLAMA_CPP, IK_LLAMA) if p.tool("llama-server")},
     }
 
 

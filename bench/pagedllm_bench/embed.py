@@ -158,7 +158,7 @@ def measure(args: argparse.Namespace) -> dict:
     inputs = workload(facts.tokenizer, n, args.len_range, args.seed)
     tokens = sum(len(p) for p in inputs)
     systems = args.systems.split(",")
-    if "llama-server" in systems and not common.llama_server_binary():
+    if "llama-server" in systems and not common.LLAMA_CPP.tool("llama-server"):
         print("llama-server not found (make bench-setup): pagedllm only", file=sys.stderr)
         systems.remove("llama-server")
     runners, servers, slots, sweep = {}, [], None, {}
@@ -218,7 +218,7 @@ def measure(args: argparse.Namespace) -> dict:
                "settings": {k: getattr(args, k) for k in ("batch_tokens", "chunk", "concurrency", "len_range",
                                                           "seed", "llama_args")},
                "llama_slots": slots, "llama_slots_sweep": sweep,
-               "llama_server": common.llama_server_version(), "gemm_peak_gflops": peak, "results": rows,
+               "llama_server": common.LLAMA_CPP.version(), "gemm_peak_gflops": peak, "results": rows,
                "times": times}
     jp, _ = common.save("embed" + args.tag, payload, None, args.out_dir)
     print(f"wrote {jp}")

@@ -190,18 +190,19 @@ def run_llama_cpp_python(wl: common.Workload, threads: int, model: str | None = 
                    load_s=load_s)
 
 
-def run_llama_server(wl: common.Workload, threads: int, parallel: int, model: str | None = None) -> dict:
+def run_llama_server(wl: common.Workload, threads: int, parallel: int, model: str | None = None,
+                     peer: common.LlamaPeer = common.LLAMA_CPP) -> dict:
     """llama-server with `parallel` slots and continuous batching; the client keeps `parallel` requests in flight."""
     from pagedllm_bench import serving
 
     ctx_per_slot = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens, strict=True)) + 16
-    with serving.LlamaServer(model, threads=threads, parallel=parallel, ctx_per_slot=ctx_per_slot) as srv:
+    with serving.LlamaServer(model, threads=threads, parallel=parallel, ctx_per_slot=ctx_per_slot, peer=peer) as srv:
         recs, elapsed = serving.run_closed_loop(srv.url, wl, concurrency=parallel, extra=srv.extra_body)
         rss = srv.peak_rss_mb()
     counts = [r.output_tokens for r in recs]
     _check_counts("llama-server", counts, wl.output_lens)
     res = _result("llama-server", wl, elapsed, sum(counts), dtype="Q4_1 (GGUF)", config=f"{parallel} slots",
-                  load_s=srv.load_s)
+                  server=srv.name, load_s=srv.load_s)
     res["peak_rss_mb"] = rss
     return res
 

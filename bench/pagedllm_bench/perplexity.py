@@ -22,21 +22,18 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import time
 
 from pagedllm_bench import common
 
-SYSTEMS = ("pagedllm", "pagedllm-dequant", "llama.cpp")
+SYSTEMS = ("pagedllm", "pagedllm-dequant", "llama.cpp")  # ik_llama.cpp too where built (IK_LLAMA_SRC)
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # long English prose on Debian-family systems
 
 
 def llama_tool(name: str) -> str | None:
-    """A llama.cpp tool built by `make bench-setup` next to llama-server, else one on PATH."""
-    server = common.llama_server_binary()
-    cand = os.path.join(os.path.dirname(server), name) if server else ""
-    return cand if cand and os.access(cand, os.X_OK) else shutil.which(name)
+    """A llama.cpp tool built by `make bench-setup`, else one on PATH."""
+    return common.LLAMA_CPP.tool(name)
 
 
 def chunks(tokens: list[int], ctx: int, count: int | None, bos: int | None) -> list[list[int]]:
@@ -104,10 +101,11 @@ def pagedllm_perplexity(model: str, text_path: str, args: argparse.Namespace, qu
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
 
 
-def llama_perplexity(model: str, text_path: str, ctx: int, count: int | None, threads: int) -> dict:
-    exe = llama_tool("llama-perplexity")
+def llama_perplexity(model: str, text_path: str, ctx: int, count: int | None, threads: int,
+                     peer: common.LlamaPeer = common.LLAMA_CPP) -> dict:
+    exe = peer.tool("llama-perplexity")
     if not exe:
-        raise RuntimeError("llama-perplexity not found: run `make bench-setup`")
+        raise RuntimeError(f"{peer.name}'s llama-perplexity not found: run `make bench-setup`")
     cmd = [exe, "-m", model, "-f", text_path, "-c", str(ctx), "-b", str(ctx), "-t", str(threads), "--no-warmup"]
     if count is not None:
         cmd += ["--chunks", str(count)]
@@ -156,16 +154,17 @@ def tensor_types(path: str) -> str:
 def measure(model: str, text_path: str, args: argparse.Namespace) -> dict:
     row: dict = {"file": os.path.basename(model), "tensors": tensor_types(model)}
     for system in args.systems.split(","):
-        if system == "llama.cpp":
-            r = llama_perplexity(model, text_path, args.ctx, args.chunks, args.threads)
+        if system in common.LLAMA_PEERS:
+            r = llama_perplexity(model, text_path, args.ctx, args.chunks, args.threads, common.LLAMA_PEERS[system])
         else:
             quant = "auto" if system == "pagedllm" else "none"
             r = pagedllm_perplexity(model, text_path, args, quant)
         row[f"{system} ppl"] = f"{r['ppl']:.4f}"  # (a table cell: the ratios below need the digits)
         row[f"{system} detail"] = r
         print(system, r, flush=True)
-    ppl = {s: row[f"{s} detail"]["ppl"] for s in SYSTEMS if f"{s} detail" in row}
-    for base, col in (("pagedllm-dequant", "stored / dequant"), ("llama.cpp", "stored / llama.cpp")):
+    ppl = {s: row[f"{s} detail"]["ppl"] for s in args.systems.split(",")}
+    for base, col in (("pagedllm-dequant", "stored / dequant"), ("llama.cpp", "stored / llama.cpp"),
+                      ("ik_llama.cpp", "stored / ik_llama.cpp")):
         if "pagedllm" in ppl and base in ppl:
             row[col] = f"{ppl['pagedllm'] / ppl[base]:.4f}"
     return row
@@ -201,7 +200,8 @@ def run(args: argparse.Namespace) -> dict:
         files = [requantize(source, t, work) for t in args.types.split(",")]
     rows = [measure(f, args.text, args) for f in files]
     cols = ["file", "tensors"] + [f"{s} ppl" for s in args.systems.split(",")]
-    cols += [c for c in ("stored / dequant", "stored / llama.cpp") if any(c in r for r in rows)]
+    ratio_cols = ("stored / dequant", "stored / llama.cpp", "stored / ik_llama.cpp")
+    cols += [c for c in ratio_cols if any(c in r for r in rows)]
     print(common.table(rows, cols, title=f"perplexity, ctx {args.ctx}, {os.path.basename(args.text)} "
                                            f"({common.environment()['cpu']})"))
     payload = {"rows": rows, "text": args.text, "ctx": args.ctx, "env": common.environment(args.threads)}

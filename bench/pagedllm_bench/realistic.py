@@ -40,7 +40,8 @@ from pagedllm_bench import common
 
 # pagedllm-vnni: the same as pagedllm with the packed GEMM kept off AMX ($PAGEDLLM_MATRIX_ENGINE=0), on CPUs with it
 SYSTEMS = {"pagedllm": {"quantization": "auto"}, "pagedllm-dequant": {"quantization": "none"},
-           "pagedllm-vnni": {"quantization": "auto", "env": {MATRIX_ENGINE_ENV: "0"}}, "llama.cpp": {}}
+           "pagedllm-vnni": {"quantization": "auto", "env": {MATRIX_ENGINE_ENV: "0"}},
+           **{name: {} for name in common.LLAMA_PEERS}}
 CONTEXT = 2048  # tokens of KV cache for the single-stream process (llama.cpp's n_ctx, pagedllm's blocks)
 LONG_PROMPT = 1536  # the prompt of the decode-deep-in-the-context figure
 
@@ -138,7 +139,7 @@ def _best(f, repeats: int = 2) -> float:
     return min(times)
 
 
-def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
+def run_single_llama_server(model: str, wl: dict, threads: int, peer: common.LlamaPeer) -> dict:
     """llama.cpp's single stream through llama-server (-np 1): its sampling runs in C++ and it reports its own
     prompt and decode timings. llama-cpp-python's generate() samples in Python over the whole vocabulary, which
     on a 151,936-token vocabulary cost more than the decode step itself: that peer was not at its best."""
@@ -148,7 +149,7 @@ def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
         return srv.completion(prompt, n, ignore_eos=True)["timings"]
 
     p, d = wl["decode_prompt"], wl["decode_tokens"]
-    with LlamaServer(model, threads, 1, CONTEXT) as srv:
+    with LlamaServer(model, threads, 1, CONTEXT, peer=peer) as srv:
         completion(srv, p, 2)  # warm-up
         decode = [completion(srv, p, 1 + d) for _ in range(2)]
         deep = [completion(srv, wl["long_prompt"], 1 + d) for _ in range(2)]
@@ -158,14 +159,14 @@ def run_single_llama_server(model: str, wl: dict, threads: int) -> dict:
             "decode_deep_tok_s": max(t["predicted_per_second"] for t in deep),
             "ttft_s": min(t["prompt_ms"] for t in decode) / 1e3,
             "prefill_tok_s": max(t["prompt_per_second"] for t in prefill), "peak_rss_mb": rss,
-            "config": "llama-server -np 1"}
+            "config": f"{srv.name} -np 1"}
 
 
 def run_single(system: str, model: str, wl: dict, threads: int, dtype: str, *, decode_only: bool = False) -> dict:
     """Load, single-stream decode, then (unless decode_only: for files whose prefill would take long on this CPU)
     prefill and decode deep in the context."""
-    if system == "llama.cpp" and common.llama_server_binary():
-        return run_single_llama_server(model, wl, threads)
+    if _served(system):
+        return run_single_llama_server(model, wl, threads, common.LLAMA_PEERS[system])
     m = _open(system, model, CONTEXT, threads, dtype)
     p, d = wl["decode_prompt"], wl["decode_tokens"]
     m.generate([p], [2])  # warm-up (kernel load, allocator)
@@ -182,13 +183,13 @@ def run_single(system: str, model: str, wl: dict, threads: int, dtype: str, *, d
 
 def run_offline(system: str, model: str, wl: dict, threads: int, dtype: str) -> dict:
     off = common.Workload.from_json(wl["offline"])
-    if system == "llama.cpp" and common.llama_server_binary():
+    if _served(system):
         from pagedllm_bench.peers import run_llama_server
 
-        res = run_llama_server(off, threads, len(off.prompts), model)
+        res = run_llama_server(off, threads, len(off.prompts), model, common.LLAMA_PEERS[system])
         return {"offline_requests": len(off.prompts), "offline_out_tok_s": res["out_tok_per_s"],
                 "offline_req_s": res["req_per_s"], "offline_peak_rss_mb": res["peak_rss_mb"],
-                "offline_config": f"llama-server --parallel {len(off.prompts)}"}
+                "offline_config": f"{res['server']} --parallel {len(off.prompts)}"}
     if system == "llama.cpp":
         off = off.head(wl["llama_offline_requests"])
     m = _open(system, model, None, threads, dtype)
@@ -298,6 +299,9 @@ def run(args: argparse.Namespace) -> dict:
     if "llama.cpp" in systems and not _has_llama_cpp():
         print("neither llama-server nor llama-cpp-python is installed (make bench-setup): skipping llama.cpp")
         systems.remove("llama.cpp")
+    for name in [s for s in systems if s.startswith("ik_llama") and not _served(s)]:
+        print(f"{name}: no ik-llama-server (make bench-setup IK_LLAMA_SRC=path): skipping it")
+        systems.remove(name)
     wl = _workloads(model, args.quick)
     wl_path = common.out_path("realistic-workload", "json")
     with open(wl_path, "w", encoding="utf-8") as f:
@@ -347,7 +351,7 @@ def _medians(rounds: list[list[dict]]) -> list[dict]:
 def _ratios(rows: list[dict]) -> list[dict]:
     by = {r["system"]: r for r in rows}
     out = []
-    for base in ("llama.cpp", "pagedllm-dequant", "pagedllm-vnni"):
+    for base in (*common.LLAMA_PEERS, "pagedllm-dequant", "pagedllm-vnni"):
         if "pagedllm" not in by or base not in by:
             continue
         ours, ref = by["pagedllm"], by[base]
@@ -357,7 +361,13 @@ def _ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _served(system: str) -> bool:
+    """Whether the system is a llama.cpp-family peer whose llama-server is built (else llama.cpp falls back to
+    llama-cpp-python)."""
+    return system in common.LLAMA_PEERS and common.LLAMA_PEERS[system].tool("llama-server") is not None
+
+
 def _has_llama_cpp() -> bool:
     import importlib.util
 
-    return common.llama_server_binary() is not None or importlib.util.find_spec("llama_cpp") is not None
+    return _served("llama.cpp") or importlib.util.find_spec("llama_cpp") is not None

@@ -115,16 +115,19 @@ class PagedllmServer(_Server):
 
 
 class LlamaServer(_Server):
-    name = "llama-server"
+    """llama-server of a llama.cpp-family peer (common.LLAMA_PEERS)."""
+
     # cache_prompt off: no slot reuses a previous prompt's KV (our prompts never repeat anyway)
     extra_body = {"cache_prompt": False}
 
     def __init__(self, model: str | None, threads: int, parallel: int, ctx_per_slot: int = 1024,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, peer: common.LlamaPeer = common.LLAMA_CPP) -> None:
         super().__init__()
-        self.exe = common.llama_server_binary()
+        self.peer, self.name = peer, peer.prefix + "llama-server" + ("-rtr" if "-rtr" in peer.server_args else "")
+        self.exe = peer.tool("llama-server")
         if not self.exe:
-            raise FileNotFoundError("llama-server not found: run `make bench-setup`")
+            raise FileNotFoundError(f"{peer.name}'s llama-server not found: run `make bench-setup`"
+                                    + (" IK_LLAMA_SRC=path" if peer.prefix else ""))
         self.model = model or common.default_model_path()
         self.threads, self.parallel, self.ctx_per_slot = threads, parallel, ctx_per_slot
         self.extra_args = extra_args or []
@@ -132,7 +135,7 @@ class LlamaServer(_Server):
     def command(self) -> list[str]:
         return [self.exe, "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.parallel),
-                "-c", str(self.parallel * self.ctx_per_slot), "-cb", "--no-webui", *self.extra_args]
+                "-c", str(self.parallel * self.ctx_per_slot), "-cb", *self.peer.server_args, *self.extra_args]
 
     def completion(self, prompt: list[int], n: int, timeout: float = 600, **options) -> dict:
         """One greedy /completion of n tokens after the token ids `prompt` (no prompt cache): llama-server's JSON,
@@ -143,6 +146,15 @@ class LlamaServer(_Server):
         r = httpx.post(self.url + "/completion", json=body, timeout=timeout)
         r.raise_for_status()
         return r.json()
+
+
+# the serving benches' system names of the llama.cpp-family servers
+PEER_SERVERS = {"llama-server": common.LLAMA_CPP, "ik-llama-server": common.IK_LLAMA,
+                "ik-llama-server-rtr": common.IK_LLAMA_RTR}
+
+
+def peer_server(system: str, model: str | None, threads: int, parallel: int, ctx_per_slot: int) -> LlamaServer:
+    return LlamaServer(model, threads, parallel, ctx_per_slot, peer=PEER_SERVERS[system])
 
 
 # ---- the client --------------------------------------------------------------------------------------
@@ -265,7 +277,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second (default 0.25,0.5,1,2,4)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 200)")
     p.add_argument("--max-output", type=int, default=256, help="upper end of the output-length range")
-    p.add_argument("--systems", default=None, help="comma list of pagedllm,llama-server (default: both if found)")
+    p.add_argument("--systems", default=None, help=f"comma list of pagedllm and {', '.join(PEER_SERVERS)} (default: "
+                                                   "pagedllm and llama-server if found)")
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots")
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: the embedded model)")
     p.add_argument("--server-args", default="", help="extra `pagedllm serve` arguments, space separated")
@@ -277,7 +290,7 @@ def _systems(args: argparse.Namespace) -> list[str]:
     if args.systems:
         return args.systems.split(",")
     found = ["pagedllm"]
-    if common.llama_server_binary() and not args.quick:
+    if common.LLAMA_CPP.tool("llama-server") and not args.quick:
         found.append("llama-server")
     return found
 
@@ -285,7 +298,7 @@ def _systems(args: argparse.Namespace) -> list[str]:
 def measure(args: argparse.Namespace) -> dict:
     common.set_threads(args.threads)
     if args.concurrency:
-        payload = serving_sweep.sweep(args, PagedllmServer, LlamaServer, _systems(args), run_closed_loop, summarise)
+        payload = serving_sweep.sweep(args, PagedllmServer, peer_server, _systems(args), run_closed_loop, summarise)
         jp, _ = common.save("serving-sweep" + args.tag, payload, None, args.out_dir)
         print(f"wrote {jp}")
         return payload
@@ -309,10 +322,10 @@ def measure(args: argparse.Namespace) -> dict:
         elif system == "pagedllm":
             srv = PagedllmServer(args.model, args.dtype, args.threads,
                                  ["--quantization", args.quantization, *args.server_args.split()])
-        elif system == "llama-server":
+        elif system in PEER_SERVERS:
             ctx = max(len(p) + m for w in workloads.values() for p, m in zip(w.prompts, w.output_lens,
                                                                           strict=True)) + 16
-            srv = LlamaServer(args.gguf, args.threads, args.llama_parallel, ctx)
+            srv = peer_server(system, args.gguf, args.threads, args.llama_parallel, ctx)
         else:
             raise ValueError(f"unknown serving system {system!r}")
         with srv:

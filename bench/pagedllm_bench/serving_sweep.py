@@ -25,7 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="tokens each request of the sweep generates")
 
 
-def sweep(args: argparse.Namespace, pagedllm_server, llama_server, systems: list[str], run_closed_loop,
+def sweep(args: argparse.Namespace, pagedllm_server, peer_server, systems: list[str], run_closed_loop,
           summarise) -> dict:
     """The sweep; the server classes and the client come from serving.py."""
     levels = args.concurrency
@@ -41,7 +41,7 @@ def sweep(args: argparse.Namespace, pagedllm_server, llama_server, systems: list
                 srv = pagedllm_server(args.model, args.dtype, args.threads,
                                       ["--quantization", args.quantization, *args.server_args.split()])
             else:
-                srv = llama_server(args.gguf or args.model, args.threads, c, ctx)
+                srv = peer_server(system, args.gguf or args.model, args.threads, c, ctx)
             with srv:
                 run_closed_loop(srv.url, wl.head(2), 2, srv.extra_body)  # warm-up
                 reps = [summarise(*run_closed_loop(srv.url, wl, c, srv.extra_body)) for _ in range(args.repeats)]
@@ -55,8 +55,9 @@ def sweep(args: argparse.Namespace, pagedllm_server, llama_server, systems: list
         if c == 1 and "pagedllm" in row:
             row["offline"] = _offline_row(args, wl, summarise)
             results += [row["offline"], _ratio("pagedllm serve / offline", row["pagedllm"], row["offline"], c, n)]
-        if "pagedllm" in row and "llama-server" in row:
-            results.append(_ratio("pagedllm / llama-server", row["pagedllm"], row["llama-server"], c, n))
+        for peer in (s for s in row if s not in ("pagedllm", "offline")):
+            if "pagedllm" in row:
+                results.append(_ratio(f"pagedllm / {peer}", row["pagedllm"], row[peer], c, n))
     cols = ["system", "concurrency", "requests", "out_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
             "e2e_p50", "e2e_p99"]
     print(common.table(results, cols, title=f"serving sweep: prompts {args.prompt_len[0]}-{args.prompt_len[1]} "

@@ -66,6 +66,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "prompt lookup (--spec-type ngram-simple), on the same token ids")
     p.add_argument("--llama-spec-args", default="--spec-type ngram-simple",
                    help="llama-server's speculative options for --llama-cpp")
+    p.add_argument("--ik-llama", action="store_true",
+                   help="the same on ik_llama.cpp's llama-server (make bench-setup IK_LLAMA_SRC=path)")
+    p.add_argument("--ik-llama-spec-args", default="--spec-type ngram-simple",
+                   help="ik_llama.cpp's speculative options for --ik-llama (its --spec-type takes NAME:k=v,...)")
     p.set_defaults(quantization="auto", dtype="auto")  # the engine's defaults: both engines run the same weights
 
 
@@ -80,23 +84,24 @@ def _run(llm, prompts: list[str], params) -> tuple[float, float, list[str], int]
 
 
 def llama_cpp_streams(model: str | None, streams: dict[str, list[int]], olen: int, threads: int, spec_args: str,
-                      repeats: int) -> list[dict]:
-    """Each stream on llama-server (one slot), plain and with its speculation: decode tok/s from its own timings
-    (the prompt's prefill left out, as in the decode columns above), median over repeats."""
+                      repeats: int, peer: common.LlamaPeer = common.LLAMA_CPP, key: str = "llama") -> list[dict]:
+    """Each stream on the peer's llama-server (one slot), plain and with its speculation: decode tok/s from its own
+    timings (the prompt's prefill left out, as in the decode columns above), median over repeats. Columns are
+    named `{key}_...`."""
     from pagedllm_bench.serving import LlamaServer
 
     rates: dict[tuple[str, str], list[float]] = {}
     texts: dict[tuple[str, str], str] = {}
     for mode, extra in (("plain", []), ("spec", spec_args.split())):
-        with LlamaServer(model, threads, 1, 4096, extra) as srv:
+        with LlamaServer(model, threads, 1, 4096, extra, peer=peer) as srv:
             for name, prompt in streams.items():
                 for _ in range(max(1, repeats)):
                     out = srv.completion(prompt, olen, timeout=1200)
                     rates.setdefault((name, mode), []).append(out["timings"]["predicted_per_second"])
                     texts[(name, mode)] = out["content"]
-    return [{"workload": name, "llama_plain_decode_tok_s": statistics.median(rates[(name, "plain")]),
-             "llama_spec_decode_tok_s": statistics.median(rates[(name, "spec")]),
-             "llama_same": texts[(name, "plain")] == texts[(name, "spec")]} for name in streams]
+    return [{"workload": name, f"{key}_plain_decode_tok_s": statistics.median(rates[(name, "plain")]),
+             f"{key}_spec_decode_tok_s": statistics.median(rates[(name, "spec")]),
+             f"{key}_same": texts[(name, "plain")] == texts[(name, "spec")]} for name in streams]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -148,17 +153,19 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"{name}: plain {plain_tps:.1f} tok/s, n-gram {spec_tps:.1f} tok/s", file=sys.stderr, flush=True)
     print(common.table(rows, title=f"speculative decoding, n-gram k={args.k} lookup {args.prompt_lookup}, "
                                    f"{olen} output tokens, greedy"))
-    if args.llama_cpp:
-        tok = plain.get_tokenizer()
-        streams = {name: tok.encode(workloads[name][0], add_special_tokens=False) for name in ("grounded", "open")}
-        peers = llama_cpp_streams(args.model, streams, olen, args.threads, args.llama_spec_args, args.repeats)
-        for peer in peers:
-            row = next(r for r in rows if r["workload"] == peer["workload"])
-            row.update(peer, spec_vs_llama_spec=row["spec_decode_tok_s"] / peer["llama_spec_decode_tok_s"])
-        print(common.table([{k: r.get(k) for k in ("workload", "spec_decode_tok_s", "llama_plain_decode_tok_s",
-                                                  "llama_spec_decode_tok_s", "spec_vs_llama_spec", "llama_same")}
-                            for r in rows if "llama_same" in r],
-                           title=f"pagedllm n-gram vs llama-server {args.llama_spec_args} (decode tok/s, one stream)"))
+    peers = [(common.LLAMA_CPP, "llama", args.llama_spec_args)] if args.llama_cpp else []
+    peers += [(common.IK_LLAMA, "ik", args.ik_llama_spec_args)] if args.ik_llama else []
+    tok = plain.get_tokenizer()
+    streams = {name: tok.encode(workloads[name][0], add_special_tokens=False) for name in ("grounded", "open")}
+    for peer, key, spec_args in peers:
+        for got in llama_cpp_streams(args.model, streams, olen, args.threads, spec_args, args.repeats, peer, key):
+            row = next(r for r in rows if r["workload"] == got["workload"])
+            row.update(got, **{f"spec_vs_{key}_spec": row["spec_decode_tok_s"] / got[f"{key}_spec_decode_tok_s"]})
+        print(common.table([{k: r.get(k) for k in ("workload", "spec_decode_tok_s", f"{key}_plain_decode_tok_s",
+                                                  f"{key}_spec_decode_tok_s", f"spec_vs_{key}_spec", f"{key}_same")}
+                            for r in rows if f"{key}_same" in r],
+                           title=f"pagedllm n-gram vs {peer.name} llama-server {spec_args} (decode tok/s, one "
+                                 "stream)"))
     payload = {"bench": "spec", "env": common.environment(args.threads), "speculative_config": spec,
                "output_len": olen, "results": rows}
     jp, _ = common.save("spec" + args.tag, payload, None, args.out_dir)
