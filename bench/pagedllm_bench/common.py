@@ -142,6 +142,9 @@ class LlamaPeer:
     name: str
     prefix: str  # of its binaries' names
     server_args: tuple[str, ...]  # every llama-server run of it passes these
+    # whether /completion must stream: ik_llama.cpp answers a whole completion whose text ends inside a UTF-8
+    # character (random weights often do) with HTTP 500; its stream replaces the bytes instead
+    stream_completions: bool = False
 
     def tool(self, name: str) -> str | None:
         """Its `name` binary (llama-server, llama-perplexity, ...): the bench build's, else (llama.cpp) one on PATH."""
@@ -170,8 +173,8 @@ class LlamaPeer:
 LLAMA_CPP = LlamaPeer("llama.cpp", "", ("--no-webui",))
 # ik_llama.cpp with its run-time repack (-rtr: weights re-laid for its GEMMs at load) and without: its best differs
 # by file and phase, so the benches take both (its flash attention and fused MoE are on by default).
-IK_LLAMA = LlamaPeer("ik_llama.cpp", "ik-", ("--webui", "none"))
-IK_LLAMA_RTR = LlamaPeer("ik_llama.cpp-rtr", "ik-", ("--webui", "none", "-rtr"))
+IK_LLAMA = LlamaPeer("ik_llama.cpp", "ik-", ("--webui", "none", "--log-disable"), True)  # (no llama.log in the cwd)
+IK_LLAMA_RTR = LlamaPeer("ik_llama.cpp-rtr", "ik-", (*IK_LLAMA.server_args, "-rtr"), True)
 LLAMA_PEERS = {p.name: p for p in (LLAMA_CPP, IK_LLAMA, IK_LLAMA_RTR)}
 
 

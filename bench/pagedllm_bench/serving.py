@@ -122,8 +122,8 @@ class LlamaServer(_Server):
 
     def __init__(self, model: str | None, threads: int, parallel: int, ctx_per_slot: int = 1024,
                  extra_args: list[str] | None = None, peer: common.LlamaPeer = common.LLAMA_CPP) -> None:
-        super().__init__()
         self.peer, self.name = peer, peer.prefix + "llama-server" + ("-rtr" if "-rtr" in peer.server_args else "")
+        super().__init__()  # (which names the log after self.name)
         self.exe = peer.tool("llama-server")
         if not self.exe:
             raise FileNotFoundError(f"{peer.name}'s llama-server not found: run `make bench-setup`"
@@ -143,9 +143,18 @@ class LlamaServer(_Server):
         import httpx
 
         body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "cache_prompt": False, **options}
-        r = httpx.post(self.url + "/completion", json=body, timeout=timeout)
-        r.raise_for_status()
-        return r.json()
+        if not self.peer.stream_completions:
+            r = httpx.post(self.url + "/completion", json=body, timeout=timeout)
+            r.raise_for_status()
+            return r.json()
+        content, last = [], {}
+        with httpx.stream("POST", self.url + "/completion", json={**body, "stream": True}, timeout=timeout) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    last = json.loads(line[5:])
+                    content.append(last.get("content", ""))
+        return {**last, "content": "".join(content)}
 
 
 # the serving benches' system names of the llama.cpp-family servers
