@@ -98,7 +98,8 @@ def pagedllm_perplexity(model: str, text_path: str, args: argparse.Namespace, qu
             "prompt_tok_per_s": len(parts) * ctx / elapsed, "load_s": load_s, "dtype": dtype}
 
 
-_FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
+# llama.cpp: "Final estimate: PPL = X"; ik_llama.cpp: "Final estimate: PPL over N chunks for n_ctx=C = X"
+_FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = ([0-9.]+)")
 
 
 def llama_perplexity(model: str, text_path: str, ctx: int, count: int | None, threads: int,

@@ -68,3 +68,11 @@ def test_each_peer_server_runs_its_own_binary_with_its_own_arguments(tmp_path, m
     assert "-rtr" in cmds["ik-llama-server-rtr"] and "-rtr" not in cmds["ik-llama-server"]
     for cmd in cmds.values():
         assert cmd[-1] == "--extra" and cmd[cmd.index("-c") + 1] == str(4 * 512)
+
+
+def test_both_peers_final_perplexity_lines_are_read():
+    from pagedllm_bench.perplexity import _FINAL
+
+    llama = "Final estimate: PPL = 24.7532 +/- 1.20111"
+    ik = "Final estimate: PPL over 8 chunks for n_ctx=512 = 24.1234 +/- 0.50000"
+    assert [float(_FINAL.search(t).group(1)) for t in (llama, ik)] == [24.7532, 24.1234]
