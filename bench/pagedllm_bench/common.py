@@ -140,6 +140,7 @@ class LlamaPeer:
     builds each next to the venv's python, ik_llama.cpp's with an `ik-` prefix (IK_LLAMA_SRC=path)."""
 
     name: str
+    server: str  # its llama-server's name in results, and the serving bench's system name
     prefix: str  # of its binaries' names
     server_args: tuple[str, ...]  # every llama-server run of it passes these
     # whether /completion must stream: ik_llama.cpp answers a whole completion whose text ends inside a UTF-8
@@ -170,11 +171,12 @@ class LlamaPeer:
             return None
 
 
-LLAMA_CPP = LlamaPeer("llama.cpp", "", ("--no-webui",))
+LLAMA_CPP = LlamaPeer("llama.cpp", "llama-server", "", ("--no-webui",))
 # ik_llama.cpp with its run-time repack (-rtr: weights re-laid for its GEMMs at load) and without: its best differs
 # by file and phase, so the benches take both (its flash attention and fused MoE are on by default).
-IK_LLAMA = LlamaPeer("ik_llama.cpp", "ik-", ("--webui", "none", "--log-disable"), True)  # (no llama.log in the cwd)
-IK_LLAMA_RTR = LlamaPeer("ik_llama.cpp-rtr", "ik-", (*IK_LLAMA.server_args, "-rtr"), True)
+IK_LLAMA = LlamaPeer("ik_llama.cpp", "ik-llama-server", "ik-", ("--webui", "none", "--log-disable"),  # (no llama.log)
+                     True)
+IK_LLAMA_RTR = LlamaPeer("ik_llama.cpp-rtr", "ik-llama-server-rtr", "ik-", (*IK_LLAMA.server_args, "-rtr"), True)
 LLAMA_PEERS = {p.name: p for p in (LLAMA_CPP, IK_LLAMA, IK_LLAMA_RTR)}
 
 

@@ -31,11 +31,6 @@ SYSTEMS = ("pagedllm", "pagedllm-dequant", "llama.cpp")  # ik_llama.cpp too wher
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"  # long English prose on Debian-family systems
 
 
-def llama_tool(name: str) -> str | None:
-    """A llama.cpp tool built by `make bench-setup`, else one on PATH."""
-    return common.LLAMA_CPP.tool(name)
-
-
 def chunks(tokens: list[int], ctx: int, count: int | None, bos: int | None) -> list[list[int]]:
     """llama-perplexity's chunks: consecutive windows of ctx tokens, each starting with BOS where one is added."""
     n = len(tokens) // ctx if count is None else min(count, len(tokens) // ctx)
@@ -56,7 +51,7 @@ def text_tokens(tokenizer, text: str, model: str, text_path: str, source: str) -
 
 
 def llama_tokens(model: str, text_path: str) -> list[int]:
-    exe = llama_tool("llama-tokenize")
+    exe = common.LLAMA_CPP.tool("llama-tokenize")
     if not exe:
         raise RuntimeError("llama-tokenize not found: run `make bench-setup` (or --tokenizer pagedllm)")
     out = subprocess.run([exe, "-m", model, "-f", text_path, "--ids", "--log-disable"], capture_output=True,
@@ -122,7 +117,7 @@ def llama_perplexity(model: str, text_path: str, ctx: int, count: int | None, th
 
 def requantize(source: str, qtype: str, out_dir: str) -> str:
     """source re-quantized to qtype by llama-quantize (--pure: every tensor that type where its rows allow)."""
-    exe = llama_tool("llama-quantize")
+    exe = common.LLAMA_CPP.tool("llama-quantize")
     if not exe:
         raise RuntimeError("llama-quantize not found: run `make bench-setup`")
     stem = os.path.splitext(os.path.basename(source))[0]

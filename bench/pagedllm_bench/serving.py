@@ -122,7 +122,7 @@ class LlamaServer(_Server):
 
     def __init__(self, model: str | None, threads: int, parallel: int, ctx_per_slot: int = 1024,
                  extra_args: list[str] | None = None, peer: common.LlamaPeer = common.LLAMA_CPP) -> None:
-        self.peer, self.name = peer, peer.prefix + "llama-server" + ("-rtr" if "-rtr" in peer.server_args else "")
+        self.peer, self.name = peer, peer.server
         super().__init__()  # (which names the log after self.name)
         self.exe = peer.tool("llama-server")
         if not self.exe:
@@ -158,8 +158,7 @@ class LlamaServer(_Server):
 
 
 # the serving benches' system names of the llama.cpp-family servers
-PEER_SERVERS = {"llama-server": common.LLAMA_CPP, "ik-llama-server": common.IK_LLAMA,
-                "ik-llama-server-rtr": common.IK_LLAMA_RTR}
+PEER_SERVERS = {p.server: p for p in common.LLAMA_PEERS.values()}
 
 
 def peer_server(system: str, model: str | None, threads: int, parallel: int, ctx_per_slot: int) -> LlamaServer:
