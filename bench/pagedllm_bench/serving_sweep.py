@@ -55,9 +55,9 @@ def sweep(args: argparse.Namespace, pagedllm_server, peer_server, systems: list[
         if c == 1 and "pagedllm" in row:
             row["offline"] = _offline_row(args, wl, summarise)
             results += [row["offline"], _ratio("pagedllm serve / offline", row["pagedllm"], row["offline"], c, n)]
-        for peer in (s for s in row if s not in ("pagedllm", "offline")):
-            if "pagedllm" in row:
-                results.append(_ratio(f"pagedllm / {peer}", row["pagedllm"], row[peer], c, n))
+        if "pagedllm" in row:
+            results += [_ratio(f"pagedllm / {peer}", row["pagedllm"], row[peer], c, n) for peer in row
+                        if peer not in ("pagedllm", "offline")]
     cols = ["system", "concurrency", "requests", "out_tok_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
             "e2e_p50", "e2e_p99"]
     print(common.table(results, cols, title=f"serving sweep: prompts {args.prompt_len[0]}-{args.prompt_len[1]} "

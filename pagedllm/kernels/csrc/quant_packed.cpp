@@ -52,9 +52,9 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kGroupRows = 16;
-// How far ahead of the dot the weight stream is prefetched, into L2 (_MM_HINT_T1): far enough that the DRAM
-// requests of ~32 KB are in flight per core. 8 KB into L1 streamed 0.58-0.62 of the read bandwidth on an AMX Xeon
-// (one-row Q4_K / Q6_K, 2 threads), 32-64 KB into L2 0.76-0.85, and decoded the 1.5B Q4_K_M 1.2x faster.
+// How far ahead of the dot the weight stream is prefetched, into L2 (_MM_HINT_T1): far enough that each core keeps
+// enough DRAM requests in flight to stream near the read bandwidth; a short distance into L1 left the one-row
+// product waiting on memory (BENCHMARKS.md, Bounds: decode).
 constexpr int64_t kPrefetchBytes = 32768;
 constexpr int64_t kRowChunk = 128;  // activation rows per pass over the weights (a multiple of the 8-row tile)
 constexpr int64_t kTileRows = 16;  // the AMX path takes whole tiles of 16 activation rows (amx_tile below)
