@@ -2,12 +2,17 @@
 
 A GPU engine's fixed token budget (vLLM's 2048) makes a CPU step several seconds long: every running request waits
 that long for its next token, and the first tokens of the prompts in the step all come at its end. Here the
-engine learns a step's cost online: a decode-only step costs a + b x rows (least squares over recent decode-only
-steps, exponentially forgotten), and a prompt token what a step with prompt tokens took beyond its decode part.
-Each step then takes the prompt tokens that fit the target: with requests decoding, twice a decode-only step
-(so their inter-token latency at most doubles while prompts are computed; at least `min_target_s`); with none,
-`idle_target_s`.
-`max_step_ms` sets the target instead; "off" keeps the fixed max_num_batched_tokens.
+engine learns a step's cost online, by weighted least squares over recent steps (exponentially forgotten):
+- a decode-only step costs a + b x rows;
+- prompt tokens add to a step, beyond its decode part, a fixed cost plus one per token. The fixed part is what a
+  mixture of experts pays for having prompt tokens at all: they pick experts the decode rows did not, and each of
+  those experts' weights is read whole however few tokens use it (a dense model's is about 0).
+Each step then takes the prompt tokens that fit: with requests decoding, tokens whose own cost is one decode-only
+step (their inter-token latency about doubles while prompts are computed, plus the fixed part; at least
+`min_target_s` for the whole step); with none, a step of `idle_target_s`. A step never takes so few that the fixed
+cost exceeds its tokens' own: sized from the average cost per token, a small chunk looked dear, the next one was
+smaller still, and the budget collapsed to `min_tokens` (Qwen3-30B-A3B's shape served 16 streams at half speed).
+`max_step_ms` sets the whole step's target instead; "off" keeps the fixed max_num_batched_tokens.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ _DECAY = 0.95  # weight of the past per new observation (about the last 20 steps
 
 
 @dataclass
-class _DecodeFit:
-    """Weighted least squares of seconds on rows, with exponential forgetting."""
+class _LinearFit:
+    """Weighted least squares of seconds on a count (rows, tokens), with exponential forgetting."""
 
     n: float = 0.0
     sx: float = 0.0
@@ -31,12 +36,19 @@ class _DecodeFit:
         self.n, self.sx, self.sy = _DECAY * self.n + 1, _DECAY * self.sx + x, _DECAY * self.sy + y
         self.sxx, self.sxy = _DECAY * self.sxx + x * x, _DECAY * self.sxy + x * y
 
-    def predict(self, x: float) -> float | None:
+    def line(self) -> tuple[float, float, float | None] | None:
+        """(mean x, mean y, slope): the slope None where the x seen so far have (almost) no spread."""
         if self.n < 1:
             return None
-        var = self.sxx / self.n - (self.sx / self.n) ** 2
-        slope = max(0.0, (self.sxy / self.n - self.sx * self.sy / self.n**2) / var) if var > 1e-9 else 0.0
-        return max(0.0, self.sy / self.n + slope * (x - self.sx / self.n))
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx**2
+        return mx, my, ((self.sxy / self.n - mx * my) / var if var > 1e-6 * max(mx * mx, 1.0) else None)
+
+    def predict(self, x: float) -> float | None:
+        if (fit := self.line()) is None:
+            return None
+        mx, my, slope = fit
+        return max(0.0, my + max(0.0, slope or 0.0) * (x - mx))
 
 
 class StepBudget:
@@ -50,8 +62,8 @@ class StepBudget:
         self.min_target_s = min_target_s  # (a step also pays a fixed cost: scheduling, reading the weights)
         self.first_budget = min(first_budget, max_tokens)
         self.min_tokens = min(min_tokens, max_tokens)
-        self.decode = _DecodeFit()
-        self.token_s: float | None = None  # seconds per prompt token, beyond the step's decode part
+        self.decode = _LinearFit()
+        self.prompt = _LinearFit()  # seconds beyond the step's decode part, on its prompt tokens
 
     def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """A step that computed `prompt_tokens` prompt tokens and `decode_rows` decode tokens took `seconds`."""
@@ -60,18 +72,31 @@ class StepBudget:
                 self.decode.add(decode_rows, seconds)
             return
         base = (self.decode.predict(decode_rows) or 0.0) if decode_rows else 0.0
-        per = max(seconds - base, 0.0) / prompt_tokens
-        self.token_s = per if self.token_s is None else _DECAY * self.token_s + (1 - _DECAY) * per
+        self.prompt.add(prompt_tokens, max(seconds - base, 0.0))
+
+    def prompt_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) that prompt tokens add to a step; the fixed part 0 (the cost
+        proportional) until the chunk sizes seen spread enough to tell the two apart."""
+        if (fit := self.prompt.line()) is None or fit[1] <= 0:
+            return None
+        mx, my, slope = fit
+        if slope is None or slope <= 0 or my - slope * mx < 0:
+            return 0.0, my / mx
+        return my - slope * mx, slope
 
     def prompt_budget(self, decode_rows: int) -> int | None:
         """Prompt tokens the next step may take (None: no limit beyond max_num_batched_tokens)."""
         if self.off:
             return None
-        if self.token_s is None or self.token_s <= 0:
+        if (cost := self.prompt_cost()) is None:
             return self.first_budget  # nothing measured yet
+        fixed, per_token = cost
         decode_s = (self.decode.predict(decode_rows) or 0.0) if decode_rows else 0.0
-        target = self.target_s
-        if target is None:
-            target = max(2 * decode_s, self.min_target_s) if decode_rows and decode_s > 0 else self.idle_target_s
-        tokens = int(max(target - decode_s, 0.0) / self.token_s)
+        if self.target_s is not None:  # the whole step within the target
+            room = self.target_s - decode_s - fixed
+        elif decode_rows and decode_s > 0:  # the tokens' own cost: one decode step (the fixed part is paid anyway)
+            room = max(decode_s, self.min_target_s - decode_s)
+        else:
+            room = self.idle_target_s - fixed
+        tokens = int(max(room, fixed) / per_token)
         return max(self.min_tokens, min(self.max_tokens, tokens))

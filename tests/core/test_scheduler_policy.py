@@ -139,3 +139,36 @@ def test_step_budget_learns_the_costs_and_sizes_steps_for_the_target():
     tiny = StepBudget(1.0, 2048)  # a target below one token: still min_tokens, so prompts progress
     tiny.observe(100, 0, 1.0)
     assert tiny.prompt_budget(0) == 16
+
+
+def test_step_budget_with_a_fixed_cost_per_prompt_chunk_does_not_collapse():
+    """A mixture of experts pays for prompt tokens at all (the experts they pick beyond the decode rows' are read
+    whole): seconds = decode part + k + c x tokens. Sized from the average cost per token, a small chunk looked
+    dear, the next chunk was smaller still, and the budget fell to min_tokens (on Qwen3-30B-A3B's shape: 16 prompt
+    tokens a step, half the requests waiting on their prompts). In a closed loop of prompts of 100-450 tokens
+    beside 16 decoding, the fit separates the two parts and a chunk's tokens take one decode step's time."""
+    from pagedllm.engine.step_budget import StepBudget
+
+    rng = random.Random(11)
+    a, b, k, c = 0.030, 0.004, 0.045, 0.0015
+    budget = StepBudget("auto", 2048, idle_target_s=0.5)
+    left = 0  # prompt tokens still to compute (after one is done, the next arrives a few decode steps later)
+    chunks = []
+    for _ in range(400):
+        if not left and rng.random() < 0.3:
+            left = rng.randint(100, 450)
+        tokens = min(budget.prompt_budget(16), left)
+        left -= tokens
+        budget.observe(tokens, 16, (a + b * 16 + (k + c * tokens if tokens else 0)) * rng.uniform(0.97, 1.03))
+        if tokens:
+            chunks.append(tokens)
+    fixed, per_token = budget.prompt_cost()
+    assert abs(fixed - k) <= 0.15 * k and abs(per_token - c) <= 0.15 * c
+    decode_s = a + b * 16
+    assert abs(budget.prompt_budget(16) - decode_s / c) <= 0.15 * decode_s / c
+    assert sorted(chunks)[len(chunks) // 2] >= 0.8 * decode_s / c  # the chunks the loop took, not only the last
+    dense = StepBudget("auto", 2048)  # no fixed part: the budget is the allowance over the cost per token
+    for _ in range(200):
+        tokens = rng.choice([0, rng.randint(16, 300)])
+        dense.observe(tokens, 16, (a + b * 16 + c * tokens) * rng.uniform(0.97, 1.03))
+    assert dense.prompt_cost()[0] <= 0.1 * k
