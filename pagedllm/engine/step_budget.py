@@ -7,11 +7,13 @@ engine learns a step's cost online, by weighted least squares over recent steps 
 - prompt tokens add to a step, beyond its decode part, a fixed cost plus one per token. The fixed part is what a
   mixture of experts pays for having prompt tokens at all: they pick experts the decode rows did not, and each of
   those experts' weights is read whole however few tokens use it (a dense model's is about 0).
-Each step then takes the prompt tokens that fit: with requests decoding, tokens whose own cost is one decode-only
-step (their inter-token latency about doubles while prompts are computed, plus the fixed part; at least
-`min_target_s` for the whole step); with none, a step of `idle_target_s`. A step never takes so few that the fixed
-cost exceeds its tokens' own: sized from the average cost per token, a small chunk looked dear, the next one was
-smaller still, and the budget collapsed to `min_tokens` (Qwen3-30B-A3B's shape served 16 streams at half speed).
+Each step then takes the prompt tokens that fit the target: with requests decoding, twice a decode-only step (so
+their inter-token latency at most doubles while prompts are computed; at least `min_target_s`); with none,
+`idle_target_s`. A step never takes so few prompt tokens that the fixed part exceeds their own cost. (Under load
+decode-only steps are rare, so the decode fit can lag the rows now decoding; what it misses lands in the fixed part.
+Sized from the average cost per prompt token, with no such floor, a small chunk looked dear, the next was smaller
+still, and the budget fell to `min_tokens`, half the streams waiting on their prompts: Qwen3-30B-A3B's shape served
+16 streams at 0.75x the speed.)
 `max_step_ms` sets the whole step's target instead; "off" keeps the fixed max_num_batched_tokens.
 """
 
@@ -94,8 +96,8 @@ class StepBudget:
         decode_s = (self.decode.predict(decode_rows) or 0.0) if decode_rows else 0.0
         if self.target_s is not None:  # the whole step within the target
             room = self.target_s - decode_s - fixed
-        elif decode_rows and decode_s > 0:  # the tokens' own cost: one decode step (the fixed part is paid anyway)
-            room = max(decode_s, self.min_target_s - decode_s)
+        elif decode_rows and decode_s > 0:  # twice a decode-only step
+            room = max(decode_s, self.min_target_s - decode_s) - fixed
         else:
             room = self.idle_target_s - fixed
         tokens = int(max(room, fixed) / per_token)
