@@ -7,13 +7,14 @@ engine learns a step's cost online, by weighted least squares over recent steps 
 - prompt tokens add to a step, beyond its decode part, a fixed cost plus one per token. The fixed part is what a
   mixture of experts pays for having prompt tokens at all: they pick experts the decode rows did not, and each of
   those experts' weights is read whole however few tokens use it (a dense model's is about 0).
-Each step then takes the prompt tokens that fit the target: with requests decoding, twice a decode-only step (so
-their inter-token latency at most doubles while prompts are computed; at least `min_target_s`); with none,
-`idle_target_s`. A step never takes so few prompt tokens that the fixed part exceeds their own cost. (Under load
-decode-only steps are rare, so the decode fit can lag the rows now decoding; what it misses lands in the fixed part.
-Sized from the average cost per prompt token, with no such floor, a small chunk looked dear, the next was smaller
-still, and the budget fell to `min_tokens`, half the streams waiting on their prompts: Qwen3-30B-A3B's shape served
-16 streams at 0.75x the speed.)
+Each step then takes the prompt tokens that fit the target: with requests decoding, 1.75 decode-only steps of all
+the streams (decoding or waiting on their prompts), so that the inter-token latency stays under twice a decode step
+while prompts are computed, with room for the noise of real steps (at least `min_target_s`); with none decoding,
+`idle_target_s`. A step never takes so few prompt tokens that the fixed part exceeds their own cost.
+Sized instead from the average cost per prompt token and from the rows decoding now, the budget fed on itself: a
+small chunk looked dear, fewer streams decoded while the rest waited on their prompts, so the decode step and with
+it the target shrank, and chunks fell to `min_tokens` with half the streams waiting (16 streams served at 0.6-0.75x
+the speed: Qwen3-30B-A3B's shape and a dense 0.5B).
 `max_step_ms` sets the whole step's target instead; "off" keeps the fixed max_num_batched_tokens.
 """
 
@@ -86,8 +87,9 @@ class StepBudget:
             return 0.0, my / mx
         return my - slope * mx, slope
 
-    def prompt_budget(self, decode_rows: int) -> int | None:
-        """Prompt tokens the next step may take (None: no limit beyond max_num_batched_tokens)."""
+    def prompt_budget(self, decode_rows: int, streams: int = 0) -> int | None:
+        """Prompt tokens the next step may take (None: no limit beyond max_num_batched_tokens), with `decode_rows`
+        decoding among `streams` requests in all (those waiting on their prompts included)."""
         if self.off:
             return None
         if (cost := self.prompt_cost()) is None:
@@ -96,8 +98,9 @@ class StepBudget:
         decode_s = (self.decode.predict(decode_rows) or 0.0) if decode_rows else 0.0
         if self.target_s is not None:  # the whole step within the target
             room = self.target_s - decode_s - fixed
-        elif decode_rows and decode_s > 0:  # twice a decode-only step
-            room = max(decode_s, self.min_target_s - decode_s) - fixed
+        elif decode_rows and decode_s > 0:
+            every = self.decode.predict(max(decode_rows, streams)) or decode_s  # a step with every stream decoding
+            room = max(1.75 * every, self.min_target_s) - decode_s - fixed
         else:
             room = self.idle_target_s - fixed
         tokens = int(max(room, fixed) / per_token)

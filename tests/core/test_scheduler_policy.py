@@ -128,8 +128,10 @@ def test_step_budget_learns_the_costs_and_sizes_steps_for_the_target():
         rows, tokens = rng.randint(1, 32), rng.choice([0, 0, rng.randint(16, 600)])
         budget.observe(tokens, rows, (a + b * rows + c * tokens) * rng.uniform(0.97, 1.03))
     decode_s = a + b * 16
-    # with 16 decoding: twice a decode step, so prompt tokens may take one decode step's time
-    assert abs(budget.prompt_budget(16) - decode_s / c) <= 0.1 * decode_s / c
+    # with 16 decoding: 1.75 decode steps, so prompt tokens may take 0.75 of one
+    assert abs(budget.prompt_budget(16) - 0.75 * decode_s / c) <= 0.1 * 0.75 * decode_s / c
+    # with 8 of 16 streams decoding (the rest waiting on their prompts): 1.75 steps of all 16
+    assert abs(budget.prompt_budget(8, 16) - (1.75 * decode_s - (a + b * 8)) / c) <= 0.1 * decode_s / c
     assert abs(budget.prompt_budget(0) - 0.5 / c) <= 0.1 * 0.5 / c  # idle: the idle target
     fixed = StepBudget(100.0, 2048)
     for _ in range(50):
@@ -146,9 +148,10 @@ def test_step_budget_keeps_prompt_chunks_whole_under_a_mixture_of_experts():
     experts the step's rows pick are read whole (so prompt tokens cost a fixed part beside decode rows), per-token
     compute, a head row per decode row; after a warm-up of 2-row decode steps (the first requests), as a server
     starts. Sized from the average cost per prompt token and a decode fit that the rare decode-only steps under load
-    left at the warm-up's rows, the chunks fell to min_tokens and half the streams waited on their prompts (what
-    Qwen3-30B-A3B's shape did: 16 prompt tokens a step beside 6-8 decoding). The budget keeps chunks several times
-    that, nearly every stream decoding, and each step within about twice a 16-row decode step."""
+    left at the warm-up's rows, and a target from the rows decoding now (fewer while prompts wait), the chunks fell
+    to min_tokens and half the streams waited on their prompts (what Qwen3-30B-A3B's shape did: 16 prompt tokens a
+    step beside 6-8 decoding). The budget keeps chunks several times that, nearly every stream decoding, and each
+    step within twice a 16-row decode step."""
     from pagedllm.engine.step_budget import StepBudget
 
     def cost(decode_rows: int, prompt_tokens: int) -> float:
@@ -163,7 +166,7 @@ def test_step_budget_keeps_prompt_chunks_whole_under_a_mixture_of_experts():
     chunks, decoding, steps = [], [], []
     for _ in range(2500):
         rows = sum(1 for s in streams if s[0] == 0)
-        allowed = left = budget.prompt_budget(rows)
+        allowed = left = budget.prompt_budget(rows, len(streams))
         for s in sorted(streams, key=lambda s: s[0]):  # (shortest prompt first)
             take = min(s[0], left)
             s[0], left = s[0] - take, left - take
@@ -178,9 +181,9 @@ def test_step_budget_keeps_prompt_chunks_whole_under_a_mixture_of_experts():
         chunks += [tokens] if tokens else []
         decoding.append(rows)
         steps.append(seconds)
-    assert sorted(chunks)[len(chunks) // 2] >= 3 * budget.min_tokens
+    assert sorted(chunks)[len(chunks) // 2] >= 2 * budget.min_tokens
     assert sum(decoding) / len(decoding) >= 14
-    assert sorted(steps)[int(0.99 * len(steps))] <= 2.2 * cost(16, 0)
+    assert sorted(steps)[int(0.99 * len(steps))] <= 2 * cost(16, 0)
     dense = StepBudget("auto", 2048)  # a cost linear in the prompt tokens: no fixed part learned
     for _ in range(200):
         tokens = rng.choice([0, rng.randint(16, 300)])
