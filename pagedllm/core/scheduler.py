@@ -111,6 +111,11 @@ class Scheduler:
         self._watermark_blocks = max(1, math.ceil(config.watermark * kv_cache_manager.num_blocks))
 
     # ---- admission -------------------------------------------------------------------------------
+    @property
+    def num_streams(self) -> int:
+        """Requests running or waiting, at most max_num_seqs: the rows of a decode step once their prompts are in."""
+        return min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+
     def capacity_tokens(self) -> int:
         """Tokens one request can hold with the whole cache to itself."""
         if self.kv.kv_layout == "contiguous":

@@ -327,8 +327,7 @@ class LLMEngine:
         """schedule -> execute -> update, then the outputs of every request the step touched."""
         failed_grammars = self._admit_compiled() if len(self._grammar_gate) else []
         decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
-        streams = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.config.max_num_seqs)
-        out = self.scheduler.schedule(self.step_budget.prompt_budget(decoding, streams))
+        out = self.scheduler.schedule(self.step_budget.prompt_budget(decoding, self.scheduler.num_streams))
         if self.disk_tier is not None:
             self.disk_tier.before_execute()  # before the model writes into blocks the pool just evicted
             if out.is_empty:
