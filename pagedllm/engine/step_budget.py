@@ -13,8 +13,8 @@ while prompts are computed, with room for the noise of real steps (at least `min
 `idle_target_s`. A step never takes so few prompt tokens that the fixed part exceeds their own cost.
 Sized instead from the average cost per prompt token and from the rows decoding now, the budget fed on itself: a
 small chunk looked dear, fewer streams decoded while the rest waited on their prompts, so the decode step and with
-it the target shrank, and chunks fell to `min_tokens` with half the streams waiting (16 streams served at 0.7-0.8x
-the speed: Qwen3-30B-A3B's shape and a dense 0.5B).
+it the target shrank, and chunks fell to `min_tokens` with half the streams waiting (BENCHMARKS.md, Mixtures of
+experts).
 `max_step_ms` sets the whole step's target instead; "off" keeps the fixed max_num_batched_tokens.
 """
 

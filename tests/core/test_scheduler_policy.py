@@ -149,9 +149,9 @@ def test_step_budget_keeps_prompt_chunks_whole_under_a_mixture_of_experts():
     compute, a head row per decode row; after a warm-up of 2-row decode steps (the first requests), as a server
     starts. Sized from the average cost per prompt token and a decode fit that the rare decode-only steps under load
     left at the warm-up's rows, and a target from the rows decoding now (fewer while prompts wait), the chunks fell
-    to min_tokens and half the streams waited on their prompts (what Qwen3-30B-A3B's shape did: 16 prompt tokens a
-    step beside 6-8 decoding). The budget keeps chunks several times that, nearly every stream decoding, and each
-    step within twice a 16-row decode step."""
+    to min_tokens and half the streams waited on their prompts (as Qwen3-30B-A3B's shape did in the server). The
+    budget keeps chunks several times that, nearly every stream decoding, and each step within twice a 16-row
+    decode step."""
     from pagedllm.engine.step_budget import StepBudget
 
     def cost(decode_rows: int, prompt_tokens: int) -> float:
