@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from tiny_models import assert_no_leaks, make_llm, random_prompts, tokens
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedllm import SamplingParams
 from pagedllm.attention import available_backends, register_backend
@@ -142,27 +143,53 @@ def test_cli_names_a_missing_gpu_in_one_line(tiny_dir, capsys):
                                                f"(torch {torch.__version__}); use device='cpu'")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_decode_graph_buffers_give_the_same_tokens(tmp_path_factory, arch):
+READS_BACK = ("item", "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "lift_fresh")
+
+
+class HostReads(TorchDispatchMode):
+    """The torch ops a CUDA graph cannot capture, dispatched inside it: a value read back to the host (.item(),
+    int(), bool(): item or _local_scalar_dense, torch.equal, nonzero's data-dependent shape) or a tensor made from
+    host data (torch.tensor(...): lift_fresh). Tensor .tolist() and .numpy() do not dispatch; their reads show up
+    on a GPU only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in READS_BACK:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "device-reference"), ("gemma3", "device-reference")]
+                         + [(a, "triton") for a in ("llama", "gemma3", "qwen3") if "triton" in BACKENDS])
+def test_decode_graph_buffers_give_the_same_tokens(tmp_path_factory, arch, backend):
     """The static-buffer decode steps a CUDA graph replays (worker/decode_graphs.py), run eagerly: batches padded to
     their bucket (padding rows in the scratch block), one block table per KV group (Gemma 3's sliding and full
-    layers), forks, against the C++ path's tokens. On a GPU the same steps are captured (bench gpu runs this file
-    there)."""
+    layers), forks, against the C++ path's tokens. With Triton's kernels (what a GPU captures) the forward also
+    reads nothing back to the host. On a GPU the steps are captured (bench gpu runs this file there)."""
     from tiny_models import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=4)
     prompts = random_prompts(3, seed=9, lo=10, hi=40)
     params = [GREEDY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12)]
     want = [tokens(make_llm(path).generate(prompts, p, use_tqdm=False)) for p in params]
-    # on a GPU: Triton's decode, captured (the engine enables the graphs itself); here the reference, eager
-    backend = "triton" if DEVICE == "cuda" else "device-reference"
+    # on a GPU: Triton's decode, captured (the engine enables the graphs itself); here eager
+    backend = "triton" if DEVICE == "cuda" else backend
     llm = make_llm(path, attention_backend=backend, device=DEVICE, max_num_seqs=6)
     runner = llm.engine.runner
     if runner.decode_graphs is None:
         assert runner.enable_decode_graphs(6, llm.engine.max_model_len, capture=False)
-    steps = []
-    run = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda b, *a: steps.append(b) or run(b, *a)
+    graphs, steps, reads = runner.decode_graphs, [], HostReads()
+    run, forward = graphs.run, graphs._forward
+    graphs.run = lambda b, *a: steps.append(b) or run(b, *a)
+    if not graphs.capture and backend == "triton":
+        def guarded(*a):
+            with reads:
+                return forward(*a)
+        graphs._forward = guarded
     got = [tokens(llm.generate(prompts, p, use_tqdm=False)) for p in params]
     assert got == want
     assert {4, 6} <= set(steps)  # padded buckets ran (3 requests: 4; 3 x 2 samples: 6)
+    assert reads.seen == []
