@@ -4,7 +4,8 @@ Made to run inside 8 minutes on the lent H200 (torch, Triton and transformers ar
 downloaded, so the models are random-weight checkpoints of real shapes written there by transformers); the JSON is
 rewritten after each part. In this order:
 1. on the Qwen2.5-1.5B shape in bf16: greedy output against transformers on the GPU (8 chats; where they differ,
-   transformers' own top-2 log-probability gap at the first difference: a near tie or not), offline throughput
+   transformers' own top-2 log-probability gap at the first difference: a near tie or not; and each engine's bf16
+   log-probabilities against transformers' in float32, to tell bf16 noise from a mistake), offline throughput
    on the standard workload (256 requests, prompts U[32,512], outputs U[16,256]) against transformers' paged
    continuous batching (`generate_batch`) on the same GPU and requests, the GPU's peak memory against the KV
    pool; then the same workload over a pool of 40% of the blocks it needs at once (the pool is the limit: its peak
@@ -13,13 +14,15 @@ rewritten after each part. In this order:
    bandwidth measured in the same run);
 3. the GPU test subset (`PAGEDLLM_TEST_DEVICE=cuda`: the Triton kernels against the reference on the GPU, the
    device path, CUDA graphs included, against the CPU path).
-Each part records its error instead of stopping the others.
+Each part records its error instead of stopping the others; `--only` runs some of them. `--device cpu` runs the
+script here, on the 0.5B and 1B shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,6 +34,7 @@ import numpy as np
 
 from pagedllm_bench import common
 
+PARTS = ("greedy", "offline", "pressure", "decode", "tests")
 GPU_TESTS = ["tests/attention/test_triton_paged.py", "tests/attention/test_flex_paged.py",
              "tests/engine/test_device_path.py", "tests/worker/test_sampler.py"]
 
@@ -40,8 +44,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="the JSON's path (default: the bench results folder)")
     p.add_argument("--skip-tests", action="store_true", help="no pytest run")
     p.add_argument("--attention-backend", default="auto", help="the engine's attention backend on the GPU")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script where no GPU is (with --quick: "
-                                                    "the 0.5B and 1B shapes, 8 requests)")
+    p.add_argument("--device", default="cuda", help="cpu: this script where no GPU is (the 0.5B and 1B shapes, 8 "
+                                                    "requests; with --quick, 2 chats)")
+    p.add_argument("--head", choices=("trained", "gaussian"), default="trained",
+                   help="the random checkpoints' head: a trained model's decisive logits, or transformers' "
+                        "initialisation as is")
+    p.add_argument("--only", default=None, help=f"comma-separated parts to run, of {','.join(PARTS)}")
 
 
 def _sync(device: str) -> None:
@@ -57,7 +65,7 @@ def _peak_gib(device: str) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
 
 
-def _hf_checkpoint(shape_name: str, layers: int | None, path: str, device: str) -> str:
+def _hf_checkpoint(shape_name: str, layers: int | None, path: str, device: str, head: str = "trained") -> str:
     """A random-weight Hugging Face checkpoint of a real shape (pagedllm.testing.gguf_writer.SHAPES), bf16,
     initialised on the GPU (fast) and saved with its config."""
     import torch
@@ -72,14 +80,29 @@ def _hf_checkpoint(shape_name: str, layers: int | None, path: str, device: str) 
         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
         max_position_embeddings=4096, rms_norm_eps=s.eps, rope_theta=s.rope_theta, tie_word_embeddings=True,
         initializer_range=0.02)
-    with torch.device(device):
+    torch.manual_seed(0)
+    with torch.device(device):  # transformers' own initialisation (normal, std initializer_range)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():  # larger than the default init: decisive logits, fewer greedy near-ties (as the tests do)
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.06)
+    if head == "trained":
+        _trained_logits(model, device)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _trained_logits(model, device: str, top_logit: float = 30.0) -> None:
+    """Logits like a trained model's. Its next token is decisive: the top logits stand apart from the rest. The
+    largest of a vocabulary of Gaussian logits do not, and bf16 noise alone, as large in transformers as here,
+    flips greedy choices among them (BENCHMARKS.md, On a GPU). Heavy-tailed row norms of the (tied) embedding make
+    a few tokens stand out; the final norm's weight then scales the logits so that a position's largest is
+    top_logit (the median over a random prompt), as a trained model's are."""
+    import torch
+
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():
+        embed.mul_(torch.exp(1.5 * torch.randn(embed.shape[0], 1, device=device)).to(embed.dtype))
+        prompt = torch.randint(100, embed.shape[0] - 100, (1, 64), device=device)
+        top = model(prompt).logits[0].float().amax(-1).median()
+        model.model.norm.weight.mul_(top_logit / float(top))
 
 
 def _part(results: dict, out: str, name: str, fn, *a) -> None:
@@ -103,11 +126,12 @@ def _tests() -> dict:
     return {"returncode": proc.returncode, "tail": proc.stdout[-2500:] + proc.stderr[-1000:]}
 
 
-def _hf_model(path: str, device: str, attn: str = "sdpa"):
+def _hf_model(path: str, device: str, attn: str = "sdpa", dtype=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attn).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.bfloat16,
+                                                attn_implementation=attn).to(device).eval()
 
 
 def _greedy(path: str, llm, device: str, n_chats: int = 8, new_tokens: int = 32) -> dict:
@@ -132,20 +156,50 @@ def _greedy(path: str, llm, device: str, n_chats: int = 8, new_tokens: int = 32)
         entry = {"equal": first is None}
         if first is not None:
             # the gap in float32: transformers' final hidden state there times the head in float32 (its bf16
-            # logits are rounded to steps of 2^-5 and more, coarser than the 1e-2 a near tie is)
+            # logits are rounded to steps of 2^-5 and more, coarser than the 1e-2 a near tie is); and in steps of
+            # bf16 at the top logit (below one, both engines' logits may round to the same value)
             with torch.no_grad():
                 states = hf(torch.tensor([prompt + theirs[:first]], device=device), output_hidden_states=True)
                 head = hf.get_output_embeddings().weight.float()
-                logprobs = (states.hidden_states[-1][0, -1].float() @ head.T).log_softmax(-1)
-            top = logprobs.topk(2)
-            entry |= {"first_difference": first, "hf_top2_logprob_gap": float(top.values[0] - top.values[1]),
+                logits = states.hidden_states[-1][0, -1].float() @ head.T
+            top = logits.topk(2)
+            gap = float(top.values[0] - top.values[1])
+            bf16_step = 2.0 ** (math.floor(math.log2(abs(float(top.values[0])))) - 7)
+            entry |= {"first_difference": first, "hf_top2_logprob_gap": gap,
+                      "gap_in_bf16_steps": round(gap / bf16_step, 2),
                       "ours_is_hf_second": mine[first] == int(top.indices[1])}
         chats.append(entry)
+    noise = _bf16_error(path, hf, llm, prompts, device)
     del hf
     equal = sum(c["equal"] for c in chats)
     near = sum(1 for c in chats if not c["equal"] and c["hf_top2_logprob_gap"] < 1e-2)
-    return {"chats": chats, "equal": equal, "differ_after_near_tie": near,
-            "target_met": equal >= 7 and equal + near == len(chats)}
+    return {"chats": chats, "equal": equal, "differ_after_near_tie": near, "bf16_error_vs_float32": noise,
+            "target_met": equal >= len(chats) - len(chats) // 8 and equal + near == len(chats)}  # 7 of 8
+
+
+def _bf16_error(path: str, hf, llm, prompts: list[list[int]], device: str, k: int = 20) -> dict:
+    """How far each bf16 engine's next-token log-probabilities at the prompts' ends are from transformers' in
+    float32: the largest error over the float32 top k (each side centred on the tokens both list), the largest
+    over the prompts. Two engines equally far off differ by bf16 noise, not by a mistake."""
+    import torch
+
+    from pagedllm import SamplingParams
+
+    hf32 = _hf_model(path, device, dtype=torch.float32)
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=k), use_tqdm=False)
+    worst = {"transformers": 0.0, "pagedllm": 0.0}
+    for prompt, out in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            ref, bf16 = (m(ids).logits[0, -1].float().log_softmax(-1).cpu() for m in (hf32, hf))
+        top = ref.topk(k).indices.tolist()
+        mine = out.outputs[0].logprobs[0]
+        shared = [t for t in top if t in mine]
+        for name, got in (("transformers", bf16[shared]), ("pagedllm", torch.tensor([mine[t].logprob for t in shared]))):
+            want = ref[shared]
+            worst[name] = max(worst[name], float(((got - got.mean()) - (want - want.mean())).abs().max()))
+    del hf32
+    return {name: round(v, 4) for name, v in worst.items()}
 
 
 def _workload(num: int, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -184,7 +238,9 @@ def _offline(path: str, llm, num: int, device: str) -> dict:
     row |= _transformers_offline(path, prompts, outs, device)
     if "transformers_tok_s" in row:
         row["ratio"] = round(ours / row["transformers_tok_s"], 2)
-        row["target_met"] = row["ratio"] >= 3.0 and row["kv_peak_share"] >= 0.9
+        # the pool is sized by gpu_memory_utilization, far past this workload on a large GPU: the KV target (90%
+        # of the blocks in use at the peak) is judged on kv_pool_under_pressure, where the pool is the limit
+        row["target_met"] = row["ratio"] >= 3.0
     return row
 
 
@@ -289,28 +345,36 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("bench gpu needs a CUDA GPU (torch sees none here); --device cpu --quick smoke-tests it")
     results: dict = {"gpu": torch.cuda.get_device_name(0) if gpu else None, "torch": torch.__version__,
                      "environment": common.environment()}
+    parts = set(args.only.split(",")) if args.only else set(PARTS) - ({"tests"} if args.skip_tests else set())
+    if parts - set(PARTS):
+        raise SystemExit(f"--only: unknown parts {sorted(parts - set(PARTS))} (of {','.join(PARTS)})")
     layers = 2 if args.quick else None
-    num = 32 if args.quick else 256
-    if not gpu:
-        num = 8
-    shapes = ("qwen2.5-1.5b", "llama-3.2-3b") if gpu or not args.quick else ("qwen2.5-0.5b", "llama-3.2-1b")
+    num = (32 if args.quick else 256) if gpu else 8
+    shapes = ("qwen2.5-1.5b", "llama-3.2-3b") if gpu else ("qwen2.5-0.5b", "llama-3.2-1b")
     engine = dict(device=device, dtype="bfloat16", attention_backend=args.attention_backend)
     if not gpu:
         engine |= dict(quantization="none", kv_cache_memory="512MiB")
     out = args.out or common.out_path("gpu", "json")
+    results["head"] = args.head
     with tempfile.TemporaryDirectory() as tmp:
-        path = _hf_checkpoint(shapes[0], layers, os.path.join(tmp, "qwen"), device)
-        llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=8192, **engine)
-        results["backend"] = llm.engine.runner.backend.name
-        _part(results, out, "greedy_vs_transformers", _greedy, path, llm, device, 8 if gpu else 2)
-        _part(results, out, "offline_throughput", _offline, path, llm, num, device)
-        del llm
-        _part(results, out, "kv_pool_under_pressure", _kv_pressure, path, engine, num)
-        path = _hf_checkpoint(shapes[1], layers, os.path.join(tmp, "llama"), device)
-        llm = LLM(path, **engine)
-        _part(results, out, "batch1_decode", _decode, llm, device, 256 if gpu else 24)
-        del llm
-    if not args.skip_tests:  # last: the figures first, inside the device's minutes
+        path = _hf_checkpoint(shapes[0], layers, os.path.join(tmp, "qwen"), device, args.head)
+        if parts & {"greedy", "offline"}:
+            llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=8192, **engine)
+            results["backend"] = llm.engine.runner.backend.name
+            if "greedy" in parts:
+                chats = 2 if args.quick and not gpu else 8
+                _part(results, out, "greedy_vs_transformers", _greedy, path, llm, device, chats)
+            if "offline" in parts:
+                _part(results, out, "offline_throughput", _offline, path, llm, num, device)
+            del llm
+        if "pressure" in parts:
+            _part(results, out, "kv_pool_under_pressure", _kv_pressure, path, engine, num)
+        if "decode" in parts:
+            path = _hf_checkpoint(shapes[1], layers, os.path.join(tmp, "llama"), device, args.head)
+            llm = LLM(path, **engine)
+            _part(results, out, "batch1_decode", _decode, llm, device, 256 if gpu else 24)
+            del llm
+    if "tests" in parts:  # last: the figures first, inside the device's minutes
         _part(results, out, "tests", _tests)
     print(f"wrote {out}")
     return results
