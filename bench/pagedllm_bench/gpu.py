@@ -164,7 +164,7 @@ def _greedy(path: str, llm, device: str, n_chats: int = 8, new_tokens: int = 32)
                 logits = states.hidden_states[-1][0, -1].float() @ head.T
             top = logits.topk(2)
             gap = float(top.values[0] - top.values[1])
-            bf16_step = 2.0 ** (math.floor(math.log2(abs(float(top.values[0])))) - 7)
+            bf16_step = 2.0 ** (math.floor(math.log2(max(abs(float(top.values[0])), 1e-30))) - 7)
             entry |= {"first_difference": first, "hf_top2_logprob_gap": gap,
                       "gap_in_bf16_steps": round(gap / bf16_step, 2),
                       "ours_is_hf_second": mine[first] == int(top.indices[1])}
