@@ -13,7 +13,7 @@ rewritten after each part. In this order:
 2. on the Llama-3.2-3B shape: batch-1 decode tokens/s next to the HBM roofline (weight bytes over the copy
    bandwidth measured in the same run);
 3. the GPU test subset (`PAGEDLLM_TEST_DEVICE=cuda`: the Triton kernels against the reference on the GPU, the
-   device path, CUDA graphs included, against the CPU path).
+   device path, CUDA graphs included, against the CPU path), a part per file, each with its own time limit.
 Each part records its error instead of stopping the others; `--only` runs some of them. `--device cpu` runs the
 script here, on the 0.5B and 1B shapes.
 """
@@ -35,8 +35,10 @@ import numpy as np
 from pagedllm_bench import common
 
 PARTS = ("greedy", "offline", "pressure", "decode", "tests")
-GPU_TESTS = ["tests/attention/test_triton_paged.py", "tests/attention/test_flex_paged.py",
-             "tests/engine/test_device_path.py", "tests/worker/test_sampler.py"]
+# the GPU test subset, each file with its time limit (seconds), in order of what a short lease should see first:
+# FlexAttention last, since torch.compile compiles each of its shapes on a GPU
+GPU_TESTS = {"tests/attention/test_triton_paged.py": 60, "tests/engine/test_device_path.py": 100,
+             "tests/worker/test_sampler.py": 30, "tests/attention/test_flex_paged.py": 90}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -119,10 +121,15 @@ def _part(results: dict, out: str, name: str, fn, *a) -> None:
         json.dump(results, f, indent=1, default=str)
 
 
-def _tests() -> dict:
-    env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cuda")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS],
-                          capture_output=True, text=True, env=env, timeout=150)
+def _tests(path: str, limit: int) -> dict:
+    """One test file of the subset on the GPU; past its limit, what it printed so far."""
+    env = dict(os.environ, PAGEDLLM_TEST_DEVICE="cuda", PYTHONUNBUFFERED="1")  # (a timed-out run keeps its output)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", path],
+                              capture_output=True, text=True, env=env, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        printed = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        return {"returncode": None, "timed_out_s": limit, "tail": printed[-2500:]}
     return {"returncode": proc.returncode, "tail": proc.stdout[-2500:] + proc.stderr[-1000:]}
 
 
@@ -375,6 +382,7 @@ def run(args: argparse.Namespace) -> dict:
             _part(results, out, "batch1_decode", _decode, llm, device, 256 if gpu else 24)
             del llm
     if "tests" in parts:  # last: the figures first, inside the device's minutes
-        _part(results, out, "tests", _tests)
+        for path, limit in GPU_TESTS.items():
+            _part(results, out, f"tests {os.path.basename(path)}", _tests, path, limit)
     print(f"wrote {out}")
     return results
