@@ -364,7 +364,8 @@ def run(args: argparse.Namespace) -> dict:
     out = args.out or common.out_path("gpu", "json")
     results["head"] = args.head
     with tempfile.TemporaryDirectory() as tmp:
-        path = _hf_checkpoint(shapes[0], layers, os.path.join(tmp, "qwen"), device, args.head)
+        if parts & {"greedy", "offline", "pressure"}:
+            path = _hf_checkpoint(shapes[0], layers, os.path.join(tmp, "qwen"), device, args.head)
         if parts & {"greedy", "offline"}:
             llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=8192, **engine)
             results["backend"] = llm.engine.runner.backend.name
